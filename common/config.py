@@ -1,0 +1,245 @@
+"""Typed configuration: YAML files parsed into pydantic models.
+
+Unknown keys are errors. Every validation error becomes one line that names the file, the
+field path, the bad value and what is expected, e.g.
+
+    configs/edge.yaml: engine.max_running: expected an integer, got 'many'
+
+Relative paths inside a config are resolved against the current working directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import UserError
+
+LORA_TARGETS_LLAMA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class Strict(BaseModel):
+    """Base for every config section: unknown keys are rejected, values are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+# ----------------------------------------------------------------------------- model
+class TinyModelConfig(Strict):
+    """A random Llama built from these sizes (tests and CI); deterministic for a given seed."""
+
+    hidden_size: int = Field(64, ge=8)
+    intermediate_size: int = Field(128, ge=8)
+    num_hidden_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    max_position_embeddings: int = Field(1024, ge=16)
+    vocab_size: int = Field(512, ge=300, description="BPE vocabulary size of the local tokenizer")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        return self
+
+
+class ModelConfig(Strict):
+    """Where the base model comes from and how it is held in memory."""
+
+    source: Literal["tiny", "bundled", "local", "hub"] = "tiny"
+    path: str | None = Field(None, description="local Hugging Face directory (source: local)")
+    gguf_file: str | None = Field(None, description="GGUF file name inside `path` (optional)")
+    hub_id: str | None = Field(None, description="Hugging Face hub id (source: hub)")
+    hub_timeout_s: float = Field(5.0, gt=0, description="give up on the hub after this long")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    quantization: Literal["none", "nf4", "int8"] = "none"
+    cache_dir: str = Field("~/.cache/collm", description="converted models are cached here")
+    tiny: TinyModelConfig = TinyModelConfig()
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> ModelConfig:
+        if self.source == "local":
+            if not self.path:
+                raise ValueError("source 'local' needs `path`: a Hugging Face model directory")
+            if not Path(self.path).expanduser().is_dir():
+                raise ValueError(f"path {self.path!r} is not a directory")
+        if self.source == "hub" and not self.hub_id:
+            raise ValueError("source 'hub' needs `hub_id`, e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
+        return self
+
+
+class LoraConfig(Strict):
+    """The LoRA adapter trained on the edges and served unmerged."""
+
+    r: int = Field(8, ge=1, le=256)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS_LLAMA), min_length=1)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+
+# ----------------------------------------------------------------------------- edge
+class EngineConfig(Strict):
+    """Continuous batching limits of one replica."""
+
+    max_running: int = Field(16, ge=1, description="requests decoding at once")
+    max_queue: int = Field(256, ge=0, description="requests waiting for admission; more get 429")
+    kv_cache_mb: float = Field(256.0, gt=0, description="KV memory reserved for running requests")
+    step_token_budget: int = Field(256, ge=16, description="tokens per forward step (prefill chunking)")
+    max_context: int | None = Field(None, ge=16, description="prompt + output limit; default: model's")
+    default_max_tokens: int = Field(128, ge=1)
+    warmup: bool = Field(True, description="measure step costs at start before serving")
+
+
+class SLOConfig(Strict):
+    """Default service-level objectives of this edge; a request may override them."""
+
+    ttft_ms: float = Field(2000.0, gt=0, description="time to first token")
+    tpot_ms: float = Field(200.0, gt=0, description="time per output token after the first")
+    safety: float = Field(0.8, gt=0, le=1, description="fraction of each SLO the scheduler plans to use")
+
+
+class DataConfig(Strict):
+    """The edge's local instruction data and its holdout split."""
+
+    path: str | None = Field(None, description="JSONL of instruction records; default: bundled Dolly subset")
+    categories: list[str] | None = Field(None, description="keep only these categories (non-IID edge)")
+    iid_shards: int | None = Field(None, ge=1, description="split into this many IID shards ...")
+    iid_shard_index: int = Field(0, ge=0, description="... and keep this one")
+    holdout_fraction: float = Field(0.1, gt=0, lt=1)
+    max_records: int | None = Field(None, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.path is not None and not Path(self.path).expanduser().is_file():
+            raise ValueError(f"path {self.path!r} does not exist")
+        if self.iid_shards is not None and self.iid_shard_index >= self.iid_shards:
+            raise ValueError("iid_shard_index must be smaller than iid_shards")
+        return self
+
+
+class TrainingConfig(Strict):
+    """Local LoRA training: micro-batches co-scheduled inside the SLO slack."""
+
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    micro_batch_size: int = Field(2, ge=1, description="sequences per micro-batch")
+    grad_accum_steps: int = Field(4, ge=1, description="micro-batches per optimizer step")
+    max_seq_len: int = Field(256, ge=16)
+    reset_optimizer_each_round: bool = True
+    eval_batch_size: int = Field(4, ge=1)
+    max_eval_records: int | None = Field(64, ge=1, description="cap on holdout records per evaluation")
+
+
+class ApiConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: let in-flight requests finish")
+
+
+class EdgeConfig(Strict):
+    """Configuration of one `collm-edge` process."""
+
+    name: str = Field("edge0", pattern=r"^[A-Za-z0-9_.-]+$")
+    model: ModelConfig = ModelConfig()
+    lora: LoraConfig = LoraConfig()
+    engine: EngineConfig = EngineConfig()
+    slo: SLOConfig = SLOConfig()
+    data: DataConfig = DataConfig()
+    training: TrainingConfig = TrainingConfig()
+    api: ApiConfig = ApiConfig()
+    state_dir: str = Field("state/{name}", description="adapters and local state; {name} = edge name")
+
+    @property
+    def resolved_state_dir(self) -> Path:
+        return Path(self.state_dir.format(name=self.name)).expanduser()
+
+
+# ----------------------------------------------------------------------------- loading
+M = TypeVar("M", bound=BaseModel)
+
+
+def _describe_expected(err: dict[str, Any]) -> str:
+    msg = err.get("msg", "invalid value")
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix):]
+    msg = msg.replace("Input should be", "expected").replace("Input", "value")
+    return msg[0].lower() + msg[1:] if msg else msg
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names allowed at `loc` (walking nested models), for unknown-key errors."""
+    cls: Any = model
+    for part in loc[:-1]:
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        cls = field.annotation
+    return sorted(getattr(cls, "model_fields", {}))
+
+
+def format_validation_error(source: str, model: type[BaseModel], exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err.get("loc", ()))
+        path = ".".join(str(p) for p in loc) or "(top level)"
+        if err.get("type") == "extra_forbidden":
+            allowed = ", ".join(_allowed_keys(model, loc))
+            lines.append(f"{source}: {path}: unknown key (allowed here: {allowed})")
+            continue
+        got = err.get("input")
+        shown = "" if isinstance(got, dict) else f", got {got!r}"
+        lines.append(f"{source}: {path}: {_describe_expected(err)}{shown}")
+    return "\n".join(lines)
+
+
+def validate_config(model: type[M], data: Any, source: str) -> M:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise UserError(format_validation_error(source, model, e)) from None
+
+
+def load_config(model: type[M], path: str | Path, overrides: dict[str, Any] | None = None) -> M:
+    """Read a YAML file into `model`; raise UserError with one line per problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: config file not found")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{p}{where}: YAML syntax error: {problem}") from None
+    if overrides:
+        data = deep_merge(data or {}, overrides)
+    return validate_config(model, data, str(p))
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def dump_config(cfg: BaseModel) -> str:
+    """The fully resolved config (defaults filled in) as YAML."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

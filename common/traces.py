@@ -1,0 +1,104 @@
+"""Request traces in the Azure LLM inference CSV format (`TIMESTAMP, ContextTokens, GeneratedTokens`).
+
+A real trace is sized for a GPU cluster; replaying it on one small machine needs knobs, and a
+report must state them: `speed` divides inter-arrival times (2.0 = twice as fast), `token_scale`
+multiplies token counts, `max_*`/`min_*` clip them, and `start_s`/`duration_s` select a window.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival_s: float  # seconds after the first request of the (windowed, sped-up) trace
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class TraceScaling:
+    speed: float = 1.0
+    token_scale: float = 1.0
+    min_prompt_tokens: int = 1
+    max_prompt_tokens: int = 4096
+    min_output_tokens: int = 1
+    max_output_tokens: int = 4096
+    start_s: float = 0.0
+    duration_s: float | None = None
+    max_requests: int | None = None
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def default_trace_path() -> Path:
+    from collm.data import AZURE_CONV_TRACE
+
+    return AZURE_CONV_TRACE
+
+
+def _parse_ts(text: str) -> float:
+    text = text.strip()
+    if "." in text:  # the Azure files carry 7 fractional digits; datetime takes at most 6
+        head, frac = text.split(".", 1)
+        text = f"{head}.{frac[:6]}"
+    return datetime.fromisoformat(text).timestamp()
+
+
+def load_trace(path: str | Path | None = None, scaling: TraceScaling = TraceScaling()) -> list[TraceRequest]:
+    p = Path(path).expanduser() if path else default_trace_path()
+    if not p.is_file():
+        raise UserError(f"trace {p} does not exist")
+    if scaling.speed <= 0 or scaling.token_scale <= 0:
+        raise UserError("trace scaling: speed and token_scale must be positive")
+    rows: list[tuple[float, int, int]] = []
+    with open(p, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+        if not reader.fieldnames or not need <= set(reader.fieldnames):
+            raise UserError(f"{p}: expected CSV columns {sorted(need)}, got {reader.fieldnames}")
+        for lineno, row in enumerate(reader, 2):
+            try:
+                rows.append((_parse_ts(row["TIMESTAMP"]), int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+            except ValueError as e:
+                raise UserError(f"{p}:{lineno}: bad row ({e})") from None
+    if not rows:
+        raise UserError(f"{p}: no requests")
+    rows.sort()
+    t0 = rows[0][0]
+    out: list[TraceRequest] = []
+    for ts, ctx, gen in rows:
+        rel = ts - t0 - scaling.start_s
+        if rel < 0:
+            continue
+        if scaling.duration_s is not None and rel > scaling.duration_s:
+            break
+        out.append(TraceRequest(
+            arrival_s=rel / scaling.speed,
+            prompt_tokens=_clip(ctx * scaling.token_scale, scaling.min_prompt_tokens, scaling.max_prompt_tokens),
+            output_tokens=_clip(gen * scaling.token_scale, scaling.min_output_tokens, scaling.max_output_tokens),
+        ))
+        if scaling.max_requests and len(out) >= scaling.max_requests:
+            break
+    if out:
+        first = out[0].arrival_s
+        out = [TraceRequest(r.arrival_s - first, r.prompt_tokens, r.output_tokens) for r in out]
+    return out
+
+
+def _clip(v: float, lo: int, hi: int) -> int:
+    return int(min(max(round(v), lo), hi))
+
+
+def mean_rate(trace: list[TraceRequest]) -> float:
+    """Requests per second over the trace's span."""
+    if len(trace) < 2:
+        return 0.0
+    return (len(trace) - 1) / max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)

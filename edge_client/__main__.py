@@ -1,0 +1,3 @@
+from collm.edge_client.cli import main
+
+main()
