@@ -1,0 +1,102 @@
+"""Per-request sampling (temperature, top-p, seed) and incremental detokenization with stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError("temperature must be between 0 and 2")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if len(self.stop) > 4 or any(not s for s in self.stop):
+            raise ValueError("stop takes at most 4 non-empty strings")
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.temperature == 0.0:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(params.seed if params.seed is not None else torch.seed())
+    return g
+
+
+def sample_next(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> list[int]:
+    """One next token per row of `logits` [n, vocab], each row with its own params and generator."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out = []
+    for i, p in enumerate(params):
+        if p.temperature == 0.0:
+            out.append(greedy[i])
+            continue
+        probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # smallest prefix reaching top_p
+            sorted_p = sorted_p * keep
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        out.append(int(torch.multinomial(probs, 1, generator=gens[i]).item()))
+    return out
+
+
+class TextStream:
+    """Turns generated token ids into text deltas; finds stop strings across token boundaries.
+
+    Text that could be the start of a stop string is held back until it is known not to be.
+    """
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tok = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""  # decoded text of all ids (minus a stop string once found)
+        self.sent = 0  # characters of `text` already emitted
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add a token; return the text that is now safe to emit."""
+        self.ids.append(token_id)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more tokens
+            return ""
+        self.text = text
+        for s in self.stop:
+            at = text.find(s, max(0, self.sent - len(s)))
+            if at != -1:
+                self.text = text[:at]
+                self.stopped = True
+                break
+        hold = 0 if self.stopped else self._held_back()
+        end = max(self.sent, len(self.text) - hold)
+        delta = self.text[self.sent:end]
+        self.sent = end
+        return delta
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:n]):
+                    best = max(best, n)
+                    break
+        return best
+
+    def flush(self) -> str:
+        delta = self.text[self.sent:]
+        self.sent = len(self.text)
+        return delta

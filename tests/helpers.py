@@ -1,0 +1,51 @@
+"""Builders shared by tests: real engines on the tiny model (each with its own model instance)."""
+
+from __future__ import annotations
+
+import torch
+
+from collm.common.config import EdgeConfig, deep_merge, validate_config
+from collm.common.data import chat_prompt_ids, load_edge_data
+from collm.common.models import load_model
+from collm.edge_client.engine import Engine
+from collm.edge_client.lora import TrainableAdapter
+
+TINY = {
+    "name": "t",
+    "model": {"source": "tiny", "device": "cpu"},
+    "engine": {"max_running": 8, "kv_cache_mb": 16, "step_token_budget": 128, "warmup": True},
+    "slo": {"ttft_ms": 1000, "tpot_ms": 100},
+    "data": {"categories": ["open_qa"], "max_records": 200},
+    "training": {"micro_batch_size": 2, "grad_accum_steps": 2, "max_seq_len": 96, "max_eval_records": 16,
+                 "lr": 0.001},
+}
+
+
+def tiny_config(**overrides) -> EdgeConfig:
+    return validate_config(EdgeConfig, deep_merge(TINY, overrides), "test")
+
+
+def tiny_engine(costs=None, start: bool = True, with_data: bool = True, **overrides) -> Engine:
+    cfg = tiny_config(**overrides)
+    lm = load_model(cfg.model)
+    eng = Engine(lm, cfg, load_edge_data(cfg.data) if with_data else None, costs=costs)
+    return eng.start() if start else eng
+
+
+def random_adapter_state(engine: Engine, seed: int, scale: float = 0.5) -> dict:
+    """A PEFT state dict that changes the model's outputs a lot (distinct versions)."""
+    ad = TrainableAdapter(engine.layers, engine.device, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in ad.b:
+            b.copy_(torch.randn(b.shape, generator=g) * scale)
+    return ad.state_dict_peft()
+
+
+def prompt(engine: Engine, text: str) -> list[int]:
+    return chat_prompt_ids(engine.tokenizer, text)
+
+
+def base_fingerprint(model) -> dict:
+    """Every base parameter and buffer, copied (LoRA adapters are not part of the base model)."""
+    return {n: t.detach().clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}

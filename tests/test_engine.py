@@ -1,0 +1,299 @@
+"""The replica engine on the tiny model: unmerged LoRA, shadow adapter, batching, co-scheduling."""
+
+import threading
+import time
+
+import pytest
+import torch
+from helpers import base_fingerprint, prompt, random_adapter_state, tiny_engine
+
+from collm.edge_client.cost_model import FixedCosts
+from collm.edge_client.engine import FinishEvent, PromptTooLong, QueueFull, TokenEvent
+from collm.edge_client.lora import ServingBinding, bind
+from collm.edge_client.model_runner import Segment
+from collm.edge_client.sampling import SamplingParams
+from collm.edge_client.trainer import TrainBudget
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = ["What is the capital of France?", "Name three birds.", "Why is the sky blue?",
+           "Write a haiku about rain.", "How do magnets work?", "List prime numbers below 20."]
+
+
+def test_runner_matches_hf_forward_with_mixed_versions_and_chunked_prefill():
+    eng = tiny_engine(start=False)
+    w1 = eng.layers.serving_weights(random_adapter_state(eng, 1), 1, eng.device, eng.lm.dtype)
+    w2 = eng.layers.serving_weights(random_adapter_state(eng, 2), 2, eng.device, eng.lm.dtype)
+    seqs = [prompt(eng, p) for p in PROMPTS[:3]]
+    ws = [w1, w2, w1]
+
+    def reference(seq, w):
+        with torch.inference_mode(), bind(ServingBinding([(0, len(seq), w)])):
+            return eng.lm.model(torch.tensor([seq])).logits[0, -1]
+
+    # request 0 prefills in two chunks; 1 and 2 in one step, with two versions in the batch
+    half = len(seqs[0]) // 2
+    step1 = [Segment(0, 0, seqs[0][:half], w1, False), Segment(2, 0, seqs[2], w1, True),
+             Segment(1, 0, seqs[1], w2, True)]
+    out = eng.runner.forward(step1, eng.pool)
+    torch.testing.assert_close(out[0], reference(seqs[2], w1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[1], reference(seqs[1], w2), atol=1e-4, rtol=1e-4)
+    out = eng.runner.forward([Segment(0, half, seqs[0][half:], w1, True)], eng.pool)
+    torch.testing.assert_close(out[0], reference(seqs[0], w1), atol=1e-4, rtol=1e-4)
+    for step in range(3):  # batched decode of all three, versions mixed
+        segs = []
+        for i in (0, 2, 1):
+            seqs[i] = seqs[i] + [100 + step + i]
+            segs.append(Segment(i, len(seqs[i]) - 1, [seqs[i][-1]], ws[i], True))
+        out = eng.runner.forward(segs, eng.pool)
+        for row, i in enumerate((0, 2, 1)):
+            torch.testing.assert_close(out[row], reference(seqs[i], ws[i]), atol=1e-4, rtol=1e-4)
+
+
+def test_base_weights_unchanged_by_training_and_swaps():
+    eng = tiny_engine()
+    try:
+        before = base_fingerprint(eng.lm.model)
+        lora_names = [n for n, _ in eng.lm.model.named_parameters() if "lora" in n]
+        assert not lora_names  # adapters live outside the base model
+        rep = eng.train(TrainBudget(steps=4)).result(timeout=120)
+        assert rep.steps == 4
+        eng.publish(eng.trainer.adapter.state_dict_peft(), 1)
+        eng.publish(random_adapter_state(eng, 7), 2)
+        eng.generate(prompt(eng, "hello"), GREEDY)
+        after = base_fingerprint(eng.lm.model)
+        assert before.keys() == after.keys()
+        for k in before:
+            assert torch.equal(before[k], after[k]), k
+    finally:
+        eng.stop()
+
+
+def test_pinned_version_is_bit_identical_while_training_runs():
+    eng = tiny_engine()
+    try:
+        eng.publish(random_adapter_state(eng, 3), 1)
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        ids = prompt(eng, PROMPTS[0])
+        reference = eng.generate(ids, params)
+        before = eng.telemetry.totals["train_microbatches"]
+        job = eng.train(TrainBudget(steps=1000, deadline_s=60))
+        during = [eng.generate(ids, params) for _ in range(3)]
+        trained = eng.telemetry.totals["train_microbatches"] - before
+        assert trained > 0, "training should interleave with serving on an unloaded replica"
+        for ev in during:
+            assert ev.record.adapter_version == 1
+            assert ev.text == reference.text
+        changed = eng.trainer.adapter.state_dict_peft()
+        assert any(v.abs().sum() > 0 for k, v in changed.items() if "lora_B" in k)  # it really trained
+    finally:
+        eng.stop()
+        job.cancel()
+
+
+def test_swap_under_concurrent_load_never_mixes_versions():
+    eng = tiny_engine()
+    try:
+        states = {v: random_adapter_state(eng, 10 + v) for v in range(1, 6)}
+        # reference output of every prompt under every version, one request at a time
+        refs = {}
+        for v, st in states.items():
+            eng.publish(st, v)
+            for p in PROMPTS:
+                refs[(v, p)] = eng.generate(prompt(eng, p), GREEDY).text
+        assert len({refs[(v, PROMPTS[0])] for v in states}) > 1  # versions are distinguishable
+
+        results, errors = [], []
+
+        def client(p):
+            try:
+                results.append((p, eng.generate(prompt(eng, p), GREEDY)))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        # re-publish the same weights as newer version numbers while clients stream
+        threads = []
+        for wave, v in enumerate([1, 2, 3, 4, 5, 1, 2, 3]):
+            eng.publish(states[v], 100 + wave)
+            for p in PROMPTS:
+                t = threading.Thread(target=client, args=(p,))
+                t.start()
+                threads.append(t)
+            time.sleep(0.01)
+        for t in threads:
+            t.join(60)
+        assert not errors
+        assert len(results) == 8 * len(PROMPTS)
+        waves = {100 + i: v for i, v in enumerate([1, 2, 3, 4, 5, 1, 2, 3])}
+        for p, ev in results:
+            assert ev.reason == "length"
+            assert ev.text == refs[(waves[ev.record.adapter_version], p)], (p, ev.record.adapter_version)
+        assert eng.shadow.alive_versions() == [107]  # superseded versions were freed
+    finally:
+        eng.stop()
+
+
+def test_mixed_version_batch_matches_single_version_runs():
+    eng = tiny_engine()
+    try:
+        s1, s2 = random_adapter_state(eng, 21), random_adapter_state(eng, 22)
+        long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        eng.publish(s1, 1)
+        alone1 = eng.generate(prompt(eng, PROMPTS[1]), long).text
+        eng.publish(s2, 2)
+        alone2 = eng.generate(prompt(eng, PROMPTS[2]), long).text
+        eng.publish(s1, 3)
+        first_token = threading.Event()
+        box = []
+
+        def on_event(ev):
+            if isinstance(ev, TokenEvent):
+                first_token.set()
+            if isinstance(ev, FinishEvent):
+                box.append(ev)
+
+        eng.submit(prompt(eng, PROMPTS[1]), long, on_event)
+        assert first_token.wait(10)
+        eng.publish(s2, 4)  # the second request is admitted while the first still decodes
+        second = eng.generate(prompt(eng, PROMPTS[2]), long)
+        deadline = time.time() + 10
+        while not box and time.time() < deadline:
+            time.sleep(0.01)
+        assert box[0].record.adapter_version == 3 and second.record.adapter_version == 4
+        assert box[0].text == alone1 and second.text == alone2
+        assert max(eng.telemetry.snapshot()["batch_mean"], 0) >= 1
+    finally:
+        eng.stop()
+
+
+def test_chunked_prefill_keeps_decodes_running():
+    eng = tiny_engine(engine={"step_token_budget": 32, "max_running": 4, "kv_cache_mb": 16})
+    try:
+        counts = {"a": 0}
+        started = threading.Event()
+
+        def on_a(ev):
+            if isinstance(ev, TokenEvent):
+                counts["a"] += 1
+                started.set()
+
+        eng.submit(prompt(eng, "short"), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), on_a)
+        assert started.wait(10)
+        long_prompt = prompt(eng, " ".join(["word"] * 400))[:320]
+        at_submit = counts["a"]
+        eng.generate(long_prompt, SamplingParams(max_tokens=1, temperature=0))
+        # 320 prompt tokens at <= 31 per step (one token of the budget is A's decode): >= 10 steps,
+        # and A decoded a token in each of them
+        assert counts["a"] - at_submit >= 10
+    finally:
+        eng.stop()
+
+
+def test_sampling_seed_stop_strings_and_eos():
+    eng = tiny_engine()
+    try:
+        ids = prompt(eng, PROMPTS[3])
+        p = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+        a, b = eng.generate(ids, p), eng.generate(ids, p)
+        assert a.text == b.text
+        c = eng.generate(ids, SamplingParams(max_tokens=20, temperature=1.0, seed=43, ignore_eos=True))
+        assert c.text != a.text
+        greedy = eng.generate(ids, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+        tiny_p = eng.generate(ids, SamplingParams(max_tokens=20, temperature=1.0, top_p=1e-6, seed=1,
+                                                  ignore_eos=True))
+        assert tiny_p.text == greedy.text  # top_p -> only the most likely token
+        stop = greedy.text[5:8]
+        cut = eng.generate(ids, SamplingParams(max_tokens=20, temperature=0.0, stop=[stop], ignore_eos=True))
+        assert cut.reason == "stop" and cut.text == greedy.text[: greedy.text.index(stop)]
+        eng.eos_ids = {greedy.token_ids[0]}  # pretend the first greedy token is end-of-sequence
+        ended = eng.generate(ids, SamplingParams(max_tokens=20, temperature=0.0))
+        assert ended.reason == "stop" and ended.record.output_tokens == 1
+    finally:
+        eng.stop()
+
+
+def test_limits_queue_and_context():
+    eng = tiny_engine(engine={"max_running": 2, "max_queue": 3, "kv_cache_mb": 0.25})
+    try:
+        assert eng.max_context < 1024  # KV memory bounds the context
+        with pytest.raises(PromptTooLong, match=str(eng.max_context)):
+            eng.submit([5] * eng.max_context, SamplingParams(max_tokens=1), lambda e: None)
+        done, events = threading.Event(), []
+
+        def on_event(ev):
+            if isinstance(ev, FinishEvent):
+                events.append(ev)
+                if len(events) == 5:
+                    done.set()
+
+        slow = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        reqs = [eng.submit(prompt(eng, "hi"), slow, on_event) for _ in range(5)]  # 2 run, 3 wait
+        with pytest.raises(QueueFull):
+            for _ in range(5):
+                eng.submit(prompt(eng, "hi"), slow, on_event)
+        eng.cancel(reqs[-1])
+        assert done.wait(30)
+        assert sorted(e.reason for e in events).count("length") == 4
+        assert any(e.reason == "cancelled" for e in events)
+        assert eng.pool.free_slots == 2  # every slot came back
+    finally:
+        eng.stop()
+
+
+def test_adapter_roundtrips_through_peft(tmp_path):
+    from peft import PeftModel
+
+    from collm.common.adapter_io import load_adapter, save_adapter
+    from collm.common.models import load_model
+
+    eng = tiny_engine(start=False)
+    state = random_adapter_state(eng, 5, scale=0.2)
+    save_adapter(tmp_path / "ad", state, eng.cfg.lora, "collm-tiny")
+    loaded, cfg = load_adapter(tmp_path / "ad")
+    assert cfg["r"] == eng.cfg.lora.r and set(loaded) == set(state)
+    w = eng.layers.serving_weights(loaded, 1, eng.device, eng.lm.dtype)
+    ids = torch.tensor([prompt(eng, "check")])
+    with torch.inference_mode(), bind(ServingBinding([(0, ids.numel(), w)])):
+        ours = eng.lm.model(ids).logits
+    fresh = load_model(eng.cfg.model).model
+    peft_model = PeftModel.from_pretrained(fresh, str(tmp_path / "ad")).eval()
+    with torch.inference_mode():
+        theirs = peft_model(ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_scheduler_defers_training_when_slack_is_short():
+    # Fixed cost profile: a decode step 10 ms, a training micro-batch 5 s. No request may wait 5 s,
+    # so training must not run, whether requests are running or not.
+    eng = tiny_engine(costs=FixedCosts(step_s=0.01, train_s=5.0), engine={"warmup": False})
+    try:
+        job = eng.train(TrainBudget(steps=2, deadline_s=1.0))
+        eng.generate(prompt(eng, "hi"), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        rep = job.result(timeout=30)
+        assert rep.microbatches == 0 and rep.steps == 0
+        assert rep.deferrals > 0 and rep.deadline_hit
+    finally:
+        eng.stop()
+
+
+def test_scheduler_trains_when_idle():
+    eng = tiny_engine()
+    try:
+        rep = eng.train(TrainBudget(steps=3)).result(timeout=120)
+        assert rep.steps == 3 and rep.microbatches >= 6 and not rep.deadline_hit
+        assert rep.first_loss is not None and rep.tokens > 0
+        snap = eng.snapshot()
+        assert snap["train_steps_total"] == 3 and snap["totals"]["train_tokens"] >= rep.tokens
+    finally:
+        eng.stop()
+
+
+def test_evaluation_of_versions():
+    eng = tiny_engine()
+    try:
+        base = eng.evaluate().result(timeout=60)
+        assert base.sequences == 16 and base.loss > 0 and 0 <= base.accuracy <= 1
+        eng.train(TrainBudget(steps=20)).result(timeout=300)
+        trained = eng.evaluate(state=eng.trainer.adapter.state_dict_peft()).result(timeout=60)
+        assert trained.loss < base.loss  # the tiny model learns the data's token statistics
+    finally:
+        eng.stop()
