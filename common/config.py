@@ -146,6 +146,7 @@ class ApiConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: let in-flight requests finish")
+    admin: bool = Field(False, description="enable /admin/* (local training, evaluation, adapter loading)")
 
 
 class EdgeConfig(Strict):

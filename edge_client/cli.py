@@ -1,48 +1,98 @@
-"""`collm-edge --config edge.yaml`: one edge replica (model loaded once, served and trained)."""
+"""`collm-edge --config edge.yaml`: one edge replica (model loaded once, served and trained).
+
+It listens on the configured host/port at once (`/health` answers 503 while the model loads),
+loads the model, and serves until SIGTERM/SIGINT; then it stops admitting, lets in-flight
+requests finish within `api.shutdown_grace_s`, saves the training state and exits 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
+import socket
 import sys
 
 from collm.common.config import EdgeConfig, dump_config, load_config
-from collm.common.errors import cli_entry
+from collm.common.errors import UserError, cli_entry
 from collm.common.logs import setup_logging
+
+log = logging.getLogger("collm.edge")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="collm-edge", description=__doc__)
+    p = argparse.ArgumentParser(prog="collm-edge", description="Run one CoLLM edge replica.")
     p.add_argument("--config", required=True, help="edge YAML config (see configs/)")
     p.add_argument("--check", action="store_true", help="validate the config, print it resolved, and exit")
     p.add_argument("--prompt", help="load the model, answer this one prompt, and exit")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="with --prompt: answer length limit")
+    p.add_argument("--port", type=int, help="override api.port")
     return p
 
 
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = load_config(EdgeConfig, args.config)
+    overrides = {"api": {"port": args.port}} if args.port is not None else None
+    cfg = load_config(EdgeConfig, args.config, overrides)
     if args.check:
         sys.stdout.write(dump_config(cfg))
         return 0
     setup_logging()
     if args.prompt is not None:
         return answer_once(cfg, args.prompt, args.max_tokens)
-    print("collm-edge: nothing to do yet (use --check or --prompt)", file=sys.stderr)
-    return 2
+    return serve(cfg)
+
+
+def serve(cfg: EdgeConfig) -> int:
+    import uvicorn
+
+    from .api import create_app
+    from .runtime import EdgeRuntime
+
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.api.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:  # bind before loading anything: a port clash is reported at once, on one line
+        sock.bind((cfg.api.host, cfg.api.port))
+    except OSError as e:
+        raise UserError(f"api.port: cannot listen on {cfg.api.host}:{cfg.api.port}: {e.strerror}") from None
+    rt = EdgeRuntime(cfg)
+    app = create_app(rt)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=cfg.api.host, port=cfg.api.port, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=int(cfg.api.shutdown_grace_s) or None, lifespan="off"))
+    # uvicorn handles SIGTERM/SIGINT while serving and re-raises the signal when it returns; these
+    # handlers receive that re-raise, so the process goes on to save its state and exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    loader = rt.load_in_background()
+    log.info("edge %s: listening on http://%s:%d", cfg.name, cfg.api.host, cfg.api.port)
+    server.run(sockets=[sock])  # returns after SIGTERM/SIGINT, once in-flight requests are done
+    log.info("edge %s: shutting down", cfg.name)
+    loader.join(timeout=1)
+    rt.shutdown(cfg.api.shutdown_grace_s)
+    return 0
 
 
 def answer_once(cfg: EdgeConfig, prompt: str, max_tokens: int) -> int:
-    import torch
-
+    """Load the model, answer one chat prompt greedily through the engine, print the answer."""
     from collm.common.data import chat_prompt_ids
     from collm.common.models import load_model
 
+    from .engine import Engine
+    from .sampling import SamplingParams
+
     lm = load_model(cfg.model)
-    ids = torch.tensor([chat_prompt_ids(lm.tokenizer, prompt)], device=lm.device)
-    with torch.inference_mode():
-        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                do_sample=False, pad_token_id=lm.tokenizer.pad_token_id)
-    print(lm.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+    engine = Engine(lm, cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"warmup": False})}))
+    engine.start()
+    try:
+        ids = chat_prompt_ids(lm.tokenizer, prompt)
+        max_tokens = max(1, min(max_tokens, engine.max_context - len(ids)))
+        ev = engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    finally:
+        engine.stop()
+    print(ev.text.strip())
+    r = ev.record
+    log.info("answered in %.2f s (first token %.2f s, %d tokens, adapter version %d)", r.e2e_s, r.ttft_s or 0,
+             r.output_tokens, r.adapter_version)
     return 0

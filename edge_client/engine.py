@@ -61,6 +61,13 @@ class ShuttingDown(EngineError):
 
 
 @dataclass
+class AdmittedEvent:
+    """The request got a slot; it is pinned to this adapter version for its whole life."""
+
+    adapter_version: int
+
+
+@dataclass
 class TokenEvent:
     text: str
     token_id: int
@@ -328,6 +335,7 @@ class Engine:
             r.generator = make_generator(r.params, self.device)
             self._typical_prompt = 0.9 * self._typical_prompt + 0.1 * len(r.prompt_ids)
             self._running.append(r)
+            self._emit(r, AdmittedEvent(r.adapter.version))
 
     def _plan_step(self) -> list[Segment]:
         budget = self.cfg.engine.step_token_budget
@@ -373,18 +381,18 @@ class Engine:
             r.first_token_at = now
         r.out_ids.append(tok)
         if tok in self.eos_ids and not r.params.ignore_eos:
-            r.on_event(TokenEvent(r.stream.flush(), tok, len(r.out_ids) - 1))
+            self._emit(r, TokenEvent(r.stream.flush(), tok, len(r.out_ids) - 1))
             self._finish(r, "stop")
             return
         delta = r.stream.push(tok)
         if r.stream.stopped:
-            r.on_event(TokenEvent(delta, tok, len(r.out_ids) - 1))
+            self._emit(r, TokenEvent(delta, tok, len(r.out_ids) - 1))
             self._finish(r, "stop")
         elif len(r.out_ids) >= r.params.max_tokens:
-            r.on_event(TokenEvent(delta + r.stream.flush(), tok, len(r.out_ids) - 1))
+            self._emit(r, TokenEvent(delta + r.stream.flush(), tok, len(r.out_ids) - 1))
             self._finish(r, "length")
         else:
-            r.on_event(TokenEvent(delta, tok, len(r.out_ids) - 1))
+            self._emit(r, TokenEvent(delta, tok, len(r.out_ids) - 1))
 
     def _finish(self, r: Request, reason: str) -> None:
         now = time.perf_counter()
@@ -402,10 +410,15 @@ class Engine:
             ttft_slo_s=r.ttft_slo, tpot_slo_s=r.tpot_slo, finish_reason=reason, finished_at=time.time())
         self.telemetry.record_request(rec)
         text = r.stream.text if r.stream is not None else ""
+        self._emit(r, FinishEvent(reason, rec, text, list(r.out_ids)))
+
+    @staticmethod
+    def _emit(r: Request, event: object) -> None:
         try:
-            r.on_event(FinishEvent(reason, rec, text, list(r.out_ids)))
+            r.on_event(event)
         except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
-            log.exception("request %s: finish callback failed", r.id)
+            log.exception("request %s: event callback failed; cancelling it", r.id)
+            r.cancelled = True
 
     def _fail_all(self, reason: str) -> None:
         for r in list(self._running) + list(self._waiting) + list(self._incoming):

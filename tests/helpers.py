@@ -49,3 +49,49 @@ def prompt(engine: Engine, text: str) -> list[int]:
 def base_fingerprint(model) -> dict:
     """Every base parameter and buffer, copied (LoRA adapters are not part of the base model)."""
     return {n: t.detach().clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+
+
+class LiveEdge:
+    """A real edge API (uvicorn on a free loopback port) around a tiny-model runtime, in this process."""
+
+    def __init__(self, cfg, load: bool = True):
+        import threading
+
+        import uvicorn
+
+        from collm.edge_client.api import create_app
+        from collm.edge_client.runtime import EdgeRuntime
+
+        self.runtime = EdgeRuntime(cfg)
+        if load:
+            self.runtime.load()
+        self.app = create_app(self.runtime)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="off", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        import time
+
+        deadline = time.time() + 20
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    @property
+    def engine(self):
+        return self.runtime.engine
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+        if self.runtime.engine is not None:
+            self.runtime.engine.stop()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,93 @@
+"""Prometheus metrics of one edge: per-request histograms, and load gauges read at scrape time.
+
+Names are shared with the router (which scrapes them to route) through `collm.common.metric_names`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from collm.common import metric_names as M
+
+from .telemetry import RequestRecord
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 60.0)
+
+
+class EdgeMetrics:
+    """One registry per edge process (tests run several edges in one process)."""
+
+    def __init__(self, engine, edge_name: str):
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram(M.TTFT, "Time to first token (s)", registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram(M.TPOT, "Time per output token after the first (s)", registry=self.registry,
+                              buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram(M.E2E, "End-to-end request latency (s)", registry=self.registry,
+                             buckets=LATENCY_BUCKETS)
+        self.finished = Counter(M.REQUESTS, "Finished requests", ["finish_reason"], registry=self.registry)
+        self.slo_met = Counter(M.REQUESTS_SLO_MET, "Completed requests that met every SLO", registry=self.registry)
+        self.registry.register(_SnapshotCollector(engine, edge_name))
+        engine.telemetry.listeners.append(self.observe)
+
+    def observe(self, rec: RequestRecord) -> None:
+        self.finished.labels(rec.finish_reason).inc()
+        if not rec.completed:
+            return
+        if rec.ttft_s is not None:
+            self.ttft.observe(rec.ttft_s)
+        if rec.tpot_s:
+            self.tpot.observe(rec.tpot_s)
+        self.e2e.observe(rec.e2e_s)
+        if rec.slo_met:
+            self.slo_met.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _SnapshotCollector:
+    """Gauges computed from the engine snapshot when Prometheus scrapes."""
+
+    def __init__(self, engine, edge_name: str):
+        self.engine = engine
+        self.edge = edge_name
+
+    def collect(self):
+        s = self.engine.snapshot()
+        cfg = self.engine.cfg
+        gauges = {
+            M.SLO_ATTAINMENT: ("SLO attainment of completed requests over the window", s["slo_attainment"]),
+            M.GOODPUT: ("Completed requests per second that met every SLO (window)", s["goodput"]),
+            M.REQUEST_RATE: ("Finished requests per second (window)", s["request_rate"]),
+            M.QUEUE_DEPTH: ("Requests waiting for admission", s["waiting"]),
+            M.RUNNING: ("Requests being served", s["running"]),
+            M.MAX_RUNNING: ("Most requests served at once", s["max_running"]),
+            M.BATCH_SIZE: ("Mean requests per engine step (window)", s["batch_mean"]),
+            M.SPARE_CAPACITY: ("Fraction of time not spent serving (window)", s["spare_capacity"]),
+            M.TRAINING_BUSY: ("Fraction of time spent training (window)", s["training_busy_frac"]),
+            M.TRAIN_TOKENS_PER_S: ("Training tokens per second (window)", s["train_tokens_per_s"]),
+            M.TRAINING_ACTIVE: ("1 while a training job is queued or running", float(s["jobs"] > 0)),
+            M.ADAPTER_VERSION: ("Serving adapter version", s["adapter_version"]),
+            M.STEP_P50: ("Median engine step time (s, window)", s["step_p50_s"]),
+            M.DECODE_STEP_PRED: ("Predicted decode step time for the running batch (s)", s["predicted_decode_step_s"]),
+            M.SLO_TTFT: ("Default TTFT target (s)", cfg.slo.ttft_ms / 1000),
+            M.SLO_TPOT: ("Default TPOT target (s)", cfg.slo.tpot_ms / 1000),
+            M.MAX_CONTEXT: ("Longest prompt + output this edge accepts (tokens)", s["max_context"]),
+        }
+        for name, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float("nan") if value is None else float(value))
+            yield g
+        coef = GaugeMetricFamily(M.STEP_COST, "Online step cost model: seconds per unit", labels=["term"])
+        for term, v in zip(("base", "per_decode_seq", "per_prefill_token", "per_1k_kv_tokens"), s["costs"]["step_coef"]):
+            coef.add_metric([term], v)
+        yield coef
+        totals = s["totals"]
+        for name, doc, key in ((M.TRAIN_TOKENS, "Training tokens processed", "train_tokens"),
+                               (M.SWAPS, "Adapter swaps", None),
+                               (M.PREEMPTIONS, "Background micro-batches preempted by serving", "preemptions")):
+            c = CounterMetricFamily(name.removesuffix("_total"), doc)
+            c.add_metric([], float(s["swaps"] if key is None else totals[key]))
+            yield c

@@ -1,0 +1,146 @@
+"""The OpenAI-compatible request bodies we accept, and OpenAI-style error bodies.
+
+Fields OpenAI clients commonly send are accepted; the ones we cannot honour are rejected with a
+400 that names the field when they ask for something other than the default (e.g. `n: 2`).
+CoLLM extensions: `slo` (per-request TTFT/TPOT targets) and `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class SLOOverride(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ttft_ms: float | None = Field(None, gt=0)
+    tpot_ms: float | None = Field(None, gt=0)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = True
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    slo: SLOOverride | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        if v not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("penalties are not supported; use 0")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("at most 4 non-empty stop strings")
+        return stops
+
+    @property
+    def stops(self) -> list[str]:
+        return list(self.stop or [])
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list):
+            if len(v) != 1 or not isinstance(v[0], str):
+                raise ValueError("exactly one prompt string is supported")
+            v = v[0]
+        if not v:
+            raise ValueError("the prompt is empty")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: keep the text ones
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _max(self) -> ChatRequest:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+class AdminTrain(BaseModel):
+    """Local training in the SLO slack, outside federated rounds (`/admin/train`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    steps: int | None = Field(None, ge=1)
+    tokens: int | None = Field(None, ge=1)
+    deadline_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _budget(self) -> AdminTrain:
+        if self.steps is None and self.tokens is None:
+            raise ValueError("give steps or tokens")
+        return self
+
+
+class AdminEvaluate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int | None = None
+
+
+class AdminPublish(BaseModel):
+    """Serve a PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str
+    version: int | None = Field(None, ge=1)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

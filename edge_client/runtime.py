@@ -1,0 +1,162 @@
+"""One edge replica's lifetime: load once, serve, publish adapters durably, shut down cleanly.
+
+`EdgeRuntime` owns the engine and what must survive a crash or restart, under `state_dir`:
+
+    serving/            the serving adapter (PEFT format), written on every publish
+    serving.json        its version, federated round, eval loss, when it was published
+    training/           the training adapter, and optimizer.pt, written at shutdown
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from collm.common.adapter_io import load_adapter, save_adapter
+from collm.common.config import EdgeConfig
+from collm.common.data import load_edge_data
+from collm.common.models import load_model
+
+from .engine import Engine
+
+log = logging.getLogger("collm.edge")
+
+
+class EdgeRuntime:
+    def __init__(self, cfg: EdgeConfig):
+        self.cfg = cfg
+        self.state_dir = cfg.resolved_state_dir
+        self.engine: Engine | None = None
+        self.model_name = "loading"
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self._publish_lock = threading.Lock()
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ lifecycle
+    def load(self) -> Engine:
+        """Load the model and data, start the engine, restore the last serving adapter."""
+        cfg = self.cfg
+        log.info("edge %s: loading model (%s)", cfg.name, cfg.model.source)
+        lm = load_model(cfg.model)
+        self.model_name = lm.name
+        data = load_edge_data(cfg.data)
+        log.info("edge %s: %d training and %d holdout records", cfg.name, len(data.train), len(data.holdout))
+        engine = Engine(lm, cfg, data)
+        self._restore(engine)
+        engine.start()
+        self.engine = engine
+        self.ready.set()
+        log.info("edge %s: ready (max context %d tokens, %d slots, adapter version %d)", cfg.name,
+                 engine.max_context, engine.pool.slots, engine.shadow.current_version)
+        return engine
+
+    def load_in_background(self) -> threading.Thread:
+        def run():
+            try:
+                self.load()
+            except Exception as e:  # noqa: BLE001 - reported by /health and the log
+                self.load_error = f"{type(e).__name__}: {e}"
+                log.error("edge %s: loading failed: %s", self.cfg.name, self.load_error)
+
+        t = threading.Thread(target=run, name="collm-load", daemon=True)
+        t.start()
+        return t
+
+    def shutdown(self, grace_s: float) -> None:
+        """Finish in-flight requests within `grace_s`, then save the training state."""
+        if self.engine is None:
+            return
+        self.engine.stop(grace_s)
+        self.save_training_state()
+        log.info("edge %s: stopped", self.cfg.name)
+
+    # ------------------------------------------------------------------ adapters
+    def publish(self, state: dict, version: int, round: int | None = None, eval_loss: float | None = None,
+                source: str = "federated") -> bool:
+        """Serve `state` from now on as `version`; persisted first, so a crash cannot lose it.
+
+        Returns False (and does nothing) if `version` is not newer than what is served.
+        """
+        engine = self.engine
+        with self._publish_lock:
+            if version <= engine.shadow.current_version:
+                return False
+            meta = {"version": version, "round": round, "eval_loss": eval_loss, "published_at": time.time(),
+                    "source": source}
+            self._write_serving(state, meta)
+            engine.publish(state, version, round=round, eval_loss=eval_loss, source=source)
+        log.info("edge %s: serving adapter version %d (round %s) swapped in, %.1f ms", self.cfg.name, version,
+                 round, 1000 * engine.shadow.last_publish_s)
+        return True
+
+    def _write_serving(self, state: dict, meta: dict) -> None:
+        d = self.state_dir
+        d.mkdir(parents=True, exist_ok=True)
+        save_adapter(d / "serving", state, self.cfg.lora, self.model_name, metadata={"version": meta["version"]})
+        tmp = d / ".serving.json.tmp"
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, d / "serving.json")
+
+    def _restore(self, engine: Engine) -> None:
+        meta_path = self.state_dir / "serving.json"
+        if meta_path.is_file() and (self.state_dir / "serving").is_dir():
+            meta = json.loads(meta_path.read_text())
+            state, _ = load_adapter(self.state_dir / "serving")
+            problems = _shape_problems(engine, state)
+            if problems:
+                log.warning("edge %s: ignoring saved serving adapter (%s)", self.cfg.name, problems[0])
+            else:
+                engine.publish(state, int(meta["version"]), round=meta.get("round"),
+                               eval_loss=meta.get("eval_loss"), source="restored")
+                log.info("edge %s: restored serving adapter version %s", self.cfg.name, meta["version"])
+        training = self.state_dir / "training"
+        if engine.trainer is not None and training.is_dir():
+            state, _ = load_adapter(training)
+            if not _shape_problems(engine, state):
+                engine.trainer.adapter.load_peft(state)
+                opt = training / "optimizer.pt"
+                if opt.is_file():
+                    engine.trainer.optimizer.load_state_dict(torch.load(opt, weights_only=True))
+                log.info("edge %s: restored training adapter and optimizer state", self.cfg.name)
+
+    def save_training_state(self) -> None:
+        engine = self.engine
+        if engine is None or engine.trainer is None:
+            return
+        d = self.state_dir / "training"
+        save_adapter(d, engine.trainer.adapter.state_dict_peft(), self.cfg.lora, self.model_name)
+        tmp = d / ".optimizer.pt.tmp"
+        torch.save(engine.trainer.optimizer.state_dict(), tmp)
+        os.replace(tmp, d / "optimizer.pt")
+        log.info("edge %s: saved training adapter to %s", self.cfg.name, d)
+
+    def federation_status(self) -> dict | None:
+        """Filled in when the edge takes part in federated rounds (see flower_client)."""
+        return None
+
+    def adapters_view(self) -> dict:
+        shadow = self.engine.shadow
+        info = shadow.current_info()
+        return {
+            "serving_version": shadow.current_version,
+            "round": info.round if info else None,
+            "swapped_at": info.published_at if info else None,
+            "eval_loss": info.eval_loss if info else None,
+            "source": info.source if info else None,
+            "versions_in_use": shadow.alive_versions(),
+            "swaps": shadow.swaps,
+            "history": [h.as_dict() for h in shadow.history],
+        }
+
+
+def _shape_problems(engine: Engine, state: dict) -> list[str]:
+    from collm.common.adapter_io import check_compatible
+
+    return check_compatible(state, engine.layers.expected_shapes())

@@ -1,0 +1,245 @@
+"""The edge HTTP API over real HTTP (uvicorn on loopback) with the tiny model."""
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from helpers import LiveEdge, random_adapter_state, tiny_config
+from prometheus_client.parser import text_string_to_metric_families
+
+from collm.edge_client.api import VERSION_HEADER
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory):
+    cfg = tiny_config(state_dir=str(tmp_path_factory.mktemp("state")), engine={"max_running": 4, "max_queue": 64})
+    e = LiveEdge(cfg)
+    yield e
+    e.close()
+
+
+def post(edge, path, body, **kw):
+    return httpx.post(edge.url + path, json=body, timeout=60, **kw)
+
+
+def model_id(edge):
+    return httpx.get(edge.url + "/v1/models").json()["data"][0]["id"]
+
+
+def sse_events(resp):
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def test_health_models_adapters(edge):
+    h = httpx.get(edge.url + "/health").json()
+    assert h["status"] == "ready" and h["adapter_version"] == 0 and h["edge"] == "t"
+    models = httpx.get(edge.url + "/v1/models").json()
+    assert models["data"][0]["id"] == "collm-tiny" and models["data"][0]["max_model_len"] > 0
+    ad = httpx.get(edge.url + "/v1/adapters").json()
+    assert ad["serving_version"] == 0 and ad["history"][0]["source"] == "initial"
+
+
+def test_completion_and_chat_non_streaming(edge):
+    r = post(edge, "/v1/completions", {"model": model_id(edge), "prompt": "Once upon a time", "max_tokens": 8,
+                                       "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 8 and body["usage"]["prompt_tokens"] > 0
+    assert r.headers[VERSION_HEADER] == str(body["adapter_version"]) == "0"
+    r = post(edge, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 6,
+                                            "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+    assert r.json()["usage"]["completion_tokens"] == 6
+
+
+def test_streaming_completion_and_chat(edge):
+    with httpx.stream("POST", edge.url + "/v1/completions", timeout=60,
+                      json={"prompt": "Tell me", "max_tokens": 10, "stream": True, "temperature": 0,
+                            "ignore_eos": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 10
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    full = post(edge, "/v1/completions", {"prompt": "Tell me", "max_tokens": 10, "temperature": 0,
+                                          "ignore_eos": True}).json()
+    assert text == full["choices"][0]["text"]  # streamed deltas add up to the whole answer
+    with httpx.stream("POST", edge.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "stream": True,
+                            "temperature": 0, "ignore_eos": True}) as r:
+        events = sse_events(r)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+
+
+def test_sixteen_concurrent_clients(edge):
+    def one(i):
+        return post(edge, "/v1/completions", {"prompt": f"Question {i}:", "max_tokens": 12, "temperature": 0.7,
+                                              "seed": i, "ignore_eos": True})
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    assert [r.status_code for r in results] == [200] * 16
+    assert all(r.json()["usage"]["completion_tokens"] == 12 for r in results)
+
+
+@pytest.mark.parametrize("raw,status,param,words", [
+    (b"{not json", 400, None, "not valid JSON"),
+    (json.dumps({"prompt": "x", "max_tokens": "lots"}), 400, "max_tokens", "integer"),
+    (json.dumps({"prompt": "x", "temperature": 7}), 400, "temperature", "less than or equal to 2"),
+    (json.dumps({"max_tokens": 3}), 400, "prompt", "Field required"),
+    (json.dumps({"prompt": "x", "n": 3}), 400, "n", "only n=1"),
+    (json.dumps({"prompt": "x", "model": "gpt-9"}), 404, "model", "does not exist"),
+])
+def test_bad_requests_get_openai_errors(edge, raw, status, param, words):
+    r = httpx.post(edge.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"] and err["type"]
+
+
+def test_prompt_over_context_limit(edge):
+    limit = edge.engine.max_context
+    r = post(edge, "/v1/completions", {"prompt": "word " * (limit + 10)})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and str(limit) in err["message"]
+    r = post(edge, "/v1/completions", {"prompt": "short", "max_tokens": limit})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_metrics_parse_and_move_with_traffic(edge):
+    def scrape():
+        text = httpx.get(edge.url + "/metrics").text
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                if not s.labels or s.labels.get("finish_reason") == "length"}
+
+    before = scrape()
+    post(edge, "/v1/completions", {"prompt": "count me", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    after = scrape()
+    assert after["collm_requests_total"] == before.get("collm_requests_total", 0) + 1
+    assert after["collm_ttft_seconds_count"] == before.get("collm_ttft_seconds_count", 0) + 1
+    for name in ("collm_queue_depth", "collm_slo_attainment", "collm_goodput_rps", "collm_spare_capacity",
+                 "collm_adapter_version", "collm_batch_size_mean", "collm_training_tokens_per_second",
+                 "collm_adapter_swaps_total"):
+        assert name in after, name
+
+
+def test_hot_swap_during_a_stream_keeps_its_version(edge):
+    v0 = edge.engine.shadow.current_version
+    got_first = threading.Event()
+    result = {}
+
+    def stream():
+        with httpx.stream("POST", edge.url + "/v1/completions", timeout=60,
+                          json={"prompt": "swap", "max_tokens": 60, "stream": True, "temperature": 0,
+                                "ignore_eos": True}) as r:
+            result["header"] = r.headers[VERSION_HEADER]
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    got_first.set()
+            result["events"] = events
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert got_first.wait(20)
+    assert edge.runtime.publish(random_adapter_state(edge.engine, 99), v0 + 1, round=1)
+    t.join(30)
+    assert result["header"] == str(v0)
+    assert {e["adapter_version"] for e in result["events"]} == {v0}
+    assert result["events"][-1]["choices"][0]["finish_reason"] == "length"
+    after = post(edge, "/v1/completions", {"prompt": "after", "max_tokens": 2})
+    assert after.headers[VERSION_HEADER] == str(v0 + 1)
+    assert httpx.get(edge.url + "/v1/adapters").json()["round"] == 1
+
+
+def test_client_disconnect_frees_its_slot(edge):
+    free = edge.engine.free_slots()
+    with httpx.stream("POST", edge.url + "/v1/completions", timeout=60,
+                      json={"prompt": "long", "max_tokens": 500, "stream": True, "temperature": 0,
+                            "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+        assert edge.engine.free_slots() == free - 1
+    deadline = time.time() + 5
+    while edge.engine.free_slots() != free and time.time() < deadline:
+        time.sleep(0.02)
+    assert edge.engine.free_slots() == free
+    assert edge.engine.telemetry.totals["cancelled"] >= 1
+
+
+def test_queue_full_is_429_with_retry_after(tmp_path):
+    cfg = tiny_config(state_dir=str(tmp_path), engine={"max_running": 1, "max_queue": 1})
+    e = LiveEdge(cfg)
+    try:
+        body = {"prompt": "hold", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda _: post(e, "/v1/completions", body), range(6)))
+        codes = sorted(r.status_code for r in results)
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+        limited = next(r for r in results if r.status_code == 429)
+        assert int(limited.headers["Retry-After"]) >= 1
+        assert limited.json()["error"]["code"] == "queue_full"
+    finally:
+        e.close()
+
+
+def test_openai_client_works_unchanged(edge):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=edge.url + "/v1", api_key="unused")
+    mid = client.models.list().data[0].id
+    c = client.completions.create(model=mid, prompt="Hello", max_tokens=5, temperature=0)
+    assert c.choices[0].finish_reason in ("stop", "length") and c.usage.completion_tokens >= 1
+    chat = client.chat.completions.create(model=mid, messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+    assert chat.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=mid, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                            stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) is not None
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError):
+        client.completions.create(model=mid, prompt="x", max_tokens=5, temperature=5)
+
+
+def test_admin_endpoints(tmp_path):
+    from collm.common.adapter_io import save_adapter
+
+    e = LiveEdge(tiny_config(state_dir=str(tmp_path / "s"), api={"admin": True}))
+    try:
+        job = post(e, "/admin/train", {"steps": 2}).json()["job"]
+        deadline = time.time() + 60
+        while (st := httpx.get(e.url + f"/admin/jobs/{job}").json())["status"] == "running":
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert st["status"] == "done" and st["report"]["steps"] == 2
+        save_adapter(tmp_path / "ad", random_adapter_state(e.engine, 3), e.engine.cfg.lora, "collm-tiny")
+        view = post(e, "/admin/adapters", {"path": str(tmp_path / "ad")}).json()
+        assert view["serving_version"] == 1 and view["source"] == "admin"
+        assert post(e, "/admin/adapters", {"path": str(tmp_path / "nope")}).status_code == 400
+        assert post(e, "/admin/train", {}).json()["error"]["message"].endswith("give steps or tokens")
+    finally:
+        e.close()
+
+
+def test_admin_is_off_by_default(edge):
+    r = post(edge, "/admin/train", {"steps": 1})
+    assert r.status_code == 404 and "api.admin" in r.json()["error"]["message"]
