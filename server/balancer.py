@@ -1,0 +1,165 @@
+r"""The long-timescale workload balancer: how many training tokens each edge gets this round.
+
+A pure function over plain data: `balance(reports, params) -> decisions`. No Flower, no I/O.
+
+Objective: the largest expected quality gain per round, subject to every edge keeping its SLO
+attainment at or above the target. Training on an edge only runs in the capacity its inference
+traffic leaves spare, which is what keeps its SLO; an edge already below target trains not at all.
+
+For edge i the report gives: request rate λ_i, SLO attainment A_i (None: nothing completed yet),
+spare capacity s_i ∈ [0, 1] (fraction of time not serving), queue depth q_i, local training
+examples n_i, last quality gain per 1k training tokens g_i (None: unknown) and idle training
+throughput c_i (tokens/s). With target attainment A*, round deadline D, round token budget B,
+spare-use fraction u and minimum share m:
+
+    eligible_i  =  n_i > 0  and  (A_i is None  or  A_i ≥ A*)
+
+    cap_i       =  c_i · s_i · u · D / (1 + q_i)          tokens the edge can train in its spare
+                                                          time before the deadline; a waiting
+                                                          queue shrinks it
+
+    ḡ           =  mean of the known g_j (eligible edges), or 1.0 if none is known
+    ĝ_i         =  max(g_i if known else ḡ,  ε · ḡ⁺)       ḡ⁺ = mean of max(g_j, 0), or 1.0 if 0;
+                                                          ε = 0.01: a plateaued edge still gets some
+    w_i         =  ĝ_i · n_i
+
+    maximise    Σ_i w_i · log x_i     subject to   0 ≤ x_i ≤ cap_i,   Σ_i x_i ≤ B
+
+The log makes the gain of each edge concave in its tokens (diminishing returns), so the optimum
+spreads the budget in proportion to weight. Its solution is water-filling:
+
+    x_i  =  min(cap_i, θ · w_i)       θ chosen so that   Σ_i x_i = min(B, Σ_i cap_i)
+
+An edge whose x_i < m sits the round out; the water-filling is then solved again without it (its
+tokens go to the others), until every remaining edge gets at least m. Every participant gets
+budget ⌊x_i⌋ tokens and the same deadline D.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GAIN_FLOOR_FRACTION = 0.01  # ε above
+
+
+@dataclass(frozen=True)
+class EdgeReport:
+    """One edge's load report, as sent in its QUERY reply."""
+
+    name: str
+    request_rate: float              # λ, requests/s
+    slo_attainment: float | None     # A, fraction of requests within SLO; None = nothing completed yet
+    spare_capacity: float            # s, fraction of time not serving, [0, 1]
+    queue_depth: float               # q, requests waiting
+    train_examples: int              # n, local training examples
+    gain_per_ktok: float | None      # g, quality gain per 1k training tokens last round; None = unknown
+    train_tokens_per_s: float        # c, training throughput when idle
+
+
+@dataclass(frozen=True)
+class BalancerParams:
+    target_attainment: float         # A*
+    round_deadline_s: float          # D
+    round_token_budget: int          # B
+    min_edge_tokens: int             # m
+    spare_use: float                 # u
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one edge is asked to do this round, and why (one line, for the log)."""
+
+    name: str
+    take_part: bool
+    budget_tokens: int
+    deadline_s: float
+    reason: str
+    cap_tokens: float = 0.0
+    weight: float = 0.0
+
+
+def capacity(r: EdgeReport, p: BalancerParams) -> float:
+    """cap_i = c_i · s_i · u · D / (1 + q_i): tokens trainable in spare time before the deadline."""
+    spare = min(max(r.spare_capacity, 0.0), 1.0)
+    tokens_in_spare_time = max(r.train_tokens_per_s, 0.0) * spare * p.spare_use * p.round_deadline_s
+    return tokens_in_spare_time / (1.0 + max(r.queue_depth, 0.0))
+
+
+def gain_estimates(reports: list[EdgeReport]) -> dict[str, float]:
+    """ĝ_i: the reported gain, or the mean of the known ones, floored at ε · ḡ⁺."""
+    known = [r.gain_per_ktok for r in reports if r.gain_per_ktok is not None]
+    mean = sum(known) / len(known) if known else 1.0
+    positive = sum(max(g, 0.0) for g in known) / len(known) if known else 1.0
+    floor = GAIN_FLOOR_FRACTION * (positive if positive > 0 else 1.0)
+    return {r.name: max(mean if r.gain_per_ktok is None else r.gain_per_ktok, floor) for r in reports}
+
+
+def water_fill(weights: dict[str, float], caps: dict[str, float], budget: float) -> dict[str, float]:
+    """argmax Σ w_i log x_i s.t. 0 ≤ x_i ≤ cap_i, Σ x_i ≤ budget:  x_i = min(cap_i, θ w_i).
+
+    Edges are saturated in increasing order of cap_i / w_i while that ratio is below the level
+    θ = (tokens left) / (weight left) of the unsaturated ones; the rest get θ · w_i.
+    """
+    x = {k: 0.0 for k in weights}
+    active = [k for k in weights if weights[k] > 0 and caps[k] > 0]
+    left = min(float(budget), sum(caps[k] for k in active))
+    weight_left = sum(weights[k] for k in active)
+    for k in sorted(active, key=lambda k: caps[k] / weights[k]):
+        theta = left / weight_left
+        if caps[k] <= theta * weights[k]:
+            x[k] = caps[k]
+        else:
+            x[k] = theta * weights[k]
+        left -= x[k]
+        weight_left -= weights[k]
+    return x
+
+
+def balance(reports: list[EdgeReport], p: BalancerParams) -> list[Decision]:
+    """One decision per report, in the same order (see the module docstring for the rule)."""
+    reasons: dict[str, str] = {}
+    eligible = []
+    for r in reports:
+        if r.train_examples <= 0:
+            reasons[r.name] = "no local training examples"
+        elif r.slo_attainment is not None and r.slo_attainment < p.target_attainment:
+            reasons[r.name] = f"below SLO target: attainment {r.slo_attainment:.2f} < {p.target_attainment:.2f}"
+        else:
+            eligible.append(r)
+
+    caps = {r.name: capacity(r, p) for r in eligible}
+    gains = gain_estimates(eligible)
+    weights = {r.name: gains[r.name] * r.train_examples for r in eligible}
+    for r in eligible:
+        if caps[r.name] <= 0:
+            reasons[r.name] = (f"no spare capacity: spare {r.spare_capacity:.2f}, "
+                               f"{r.train_tokens_per_s:g} tok/s idle → cap 0 tokens")
+
+    # water-fill; drop the smallest share below the minimum and solve again until none is left
+    taking = {r.name for r in eligible if caps[r.name] > 0}
+    while True:
+        x = water_fill({k: weights[k] for k in taking}, {k: caps[k] for k in taking}, p.round_token_budget)
+        small = [k for k in taking if x[k] < p.min_edge_tokens]
+        if not small:
+            break
+        k = min(small, key=lambda k: x[k])
+        reasons[k] = f"share {x[k]:.0f} < minimum {p.min_edge_tokens} tokens (cap {caps[k]:.0f})"
+        taking.discard(k)
+
+    decisions = []
+    for r in reports:
+        name = r.name
+        if name not in taking:
+            decisions.append(Decision(name, False, 0, 0.0, reasons[name],
+                                      caps.get(name, 0.0), weights.get(name, 0.0)))
+            continue
+        tokens = int(x[name])
+        if x[name] >= caps[name] - 1e-9:
+            why = (f"capacity-bound: spare {r.spare_capacity:.2f}, queue {r.queue_depth:g} "
+                   f"→ cap {caps[name]:.0f} tokens")
+        else:
+            why = (f"share of budget: weight {weights[name]:.3g} (gain {gains[name]:.3g} × "
+                   f"{r.train_examples} examples), cap {caps[name]:.0f}")
+        decisions.append(Decision(name, True, tokens, float(p.round_deadline_s), f"{tokens} tokens; {why}",
+                                  caps[name], weights[name]))
+    return decisions

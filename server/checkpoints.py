@@ -1,0 +1,135 @@
+"""One directory per finished round, so a restarted server resumes where it stopped.
+
+    <checkpoint_dir>/round-0003/adapter_config.json         the global adapter after round 3,
+    <checkpoint_dir>/round-0003/adapter_model.safetensors   in PEFT format (loads with PeftModel)
+    <checkpoint_dir>/round-0003/server-state.safetensors    optimizer state (FedAdam), if any
+    <checkpoint_dir>/round-0003/metrics.json                that round's decisions and metrics
+
+metrics.json is written last (temp file + rename): a round directory without it is incomplete
+and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from collm.common.adapter_io import load_adapter, save_adapter
+from collm.common.config import LoraConfig
+from collm.common.errors import UserError
+
+METRICS_FILE = "metrics.json"
+SERVER_STATE_FILE = "server-state.safetensors"
+_ROUND_DIR = re.compile(r"^round-(\d{4,})$")
+
+
+@dataclass
+class RoundCheckpoint:
+    round: int
+    arrays: dict[str, np.ndarray]
+    metrics: dict
+    adapter_config: dict
+    server_state: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # e.g. {"m_t": {...}}
+
+
+def round_dir(directory: str | Path, r: int) -> Path:
+    return Path(directory) / f"round-{r:04d}"
+
+
+def complete_rounds(directory: str | Path) -> list[int]:
+    """Round numbers whose directory has metrics.json, ascending."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    rounds = []
+    for p in d.iterdir():
+        m = _ROUND_DIR.match(p.name)
+        if m and p.is_dir() and (p / METRICS_FILE).is_file():
+            rounds.append(int(m.group(1)))
+    return sorted(rounds)
+
+
+def latest_complete_round(directory: str | Path) -> int:
+    """The last complete round under `directory`, or 0 if there is none."""
+    rounds = complete_rounds(directory)
+    return rounds[-1] if rounds else 0
+
+
+def _json_safe(x):
+    """NaN/inf become null (strict JSON); numpy scalars become Python numbers."""
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def write_round(directory: str | Path, r: int, arrays: dict[str, np.ndarray], metrics: dict,
+                lora: LoraConfig, base_model_name: str,
+                server_state: dict[str, dict[str, np.ndarray]] | None = None) -> Path:
+    """Write round `r`'s global adapter, optimizer state and metrics; metrics.json last."""
+    d = round_dir(directory, r)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / METRICS_FILE).unlink(missing_ok=True)  # a rewrite is incomplete until it finishes
+    state = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in arrays.items()}
+    save_adapter(d, state, lora, base_model_name, metadata={"collm-round": r})
+    if server_state:
+        flat = {f"{group}/{k}": torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
+                for group, tensors in server_state.items() for k, v in tensors.items()}
+        tmp = d / f".{SERVER_STATE_FILE}.tmp"
+        save_file(flat, str(tmp))
+        os.replace(tmp, d / SERVER_STATE_FILE)
+    tmp = d / f".{METRICS_FILE}.tmp"
+    tmp.write_text(json.dumps(_json_safe(metrics), indent=2, sort_keys=False))
+    os.replace(tmp, d / METRICS_FILE)
+    return d
+
+
+def load_round(directory: str | Path, r: int) -> RoundCheckpoint:
+    """Read a complete round back (UserError if it is missing or incomplete)."""
+    d = round_dir(directory, r)
+    if not (d / METRICS_FILE).is_file():
+        raise UserError(f"{d}: no complete checkpoint for round {r} (missing {METRICS_FILE})")
+    state, cfg = load_adapter(d)
+    server_state: dict[str, dict[str, np.ndarray]] = {}
+    if (d / SERVER_STATE_FILE).is_file():
+        for key, t in load_file(str(d / SERVER_STATE_FILE)).items():
+            group, name = key.split("/", 1)
+            server_state.setdefault(group, {})[name] = t.numpy()
+    return RoundCheckpoint(
+        round=r,
+        arrays={k: v.numpy().astype(np.float32) for k, v in state.items()},
+        metrics=json.loads((d / METRICS_FILE).read_text()),
+        adapter_config=cfg,
+        server_state=server_state,
+    )
+
+
+def load_all_metrics(directory: str | Path) -> dict[int, dict]:
+    """metrics.json of every complete round, by round number."""
+    return {r: json.loads((round_dir(directory, r) / METRICS_FILE).read_text())
+            for r in complete_rounds(directory)}
+
+
+def check_lora_matches(ckpt: RoundCheckpoint, lora: LoraConfig, where: str) -> None:
+    """UserError if the checkpoint was trained with a different LoRA shape than the config."""
+    cfg = ckpt.adapter_config
+    for field_name, ours, theirs in (("lora.r", lora.r, cfg.get("r")),
+                                     ("lora.alpha", lora.alpha, cfg.get("lora_alpha")),
+                                     ("lora.target_modules", sorted(lora.target_modules),
+                                      sorted(cfg.get("target_modules") or []))):
+        if theirs is not None and ours != theirs:
+            raise UserError(f"{where}: {field_name} is {ours!r} but round {ckpt.round} was trained with "
+                            f"{theirs!r}; use the same LoRA settings or a new checkpoint_dir")

@@ -1,0 +1,82 @@
+"""Configuration of the federation server (`configs/server.yaml`).
+
+Unknown keys are errors and every mistake is reported on one line that names the field
+(see `collm.common.config.load_config`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from collm.common.config import LoraConfig, Strict, load_config
+
+
+class FedAdamConfig(Strict):
+    """Server-side Adam over the averaged update (flwr's FedAdam; defaults are flwr's)."""
+
+    eta: float = Field(1e-1, gt=0, description="server learning rate")
+    eta_l: float = Field(1e-1, gt=0, description="client learning rate (kept for flwr; edges use balancer.lr)")
+    beta_1: float = Field(0.9, ge=0, lt=1)
+    beta_2: float = Field(0.99, ge=0, lt=1)
+    tau: float = Field(1e-3, gt=0, description="adaptivity: added to sqrt(v) in the denominator")
+
+
+class RobustConfig(Strict):
+    """Checks that leave a round's bad updates out of the aggregate."""
+
+    norm_k: float = Field(5.0, gt=1, description="drop an update whose norm exceeds norm_k x the round's median")
+
+
+class BalancerConfig(Strict):
+    """The per-round workload balancer (see `collm.server.balancer`)."""
+
+    target_attainment: float = Field(0.95, gt=0, le=1, description="SLO attainment an edge must keep")
+    round_deadline_s: float = Field(120.0, gt=0, description="edges stop training after this long")
+    round_token_budget: int = Field(20000, ge=1, description="training tokens per round, all edges together")
+    min_edge_tokens: int = Field(256, ge=0, description="an edge offered fewer tokens sits the round out")
+    spare_use: float = Field(0.8, gt=0, le=1, description="fraction of an edge's spare capacity training may use")
+    lr: float = Field(2e-4, gt=0, description="local learning rate sent to the edges")
+
+
+class ServerConfig(Strict):
+    """Configuration of the CoLLM ServerApp."""
+
+    rounds: int = Field(5, ge=1, description="total rounds; a resumed run continues up to this number")
+    strategy: Literal["fedavg", "fedprox", "fedadam"] = "fedavg"
+    proximal_mu: float = Field(0.01, ge=0, description="FedProx proximal term weight")
+    fedadam: FedAdamConfig = FedAdamConfig()
+    min_nodes: int = Field(2, ge=1, description="wait for this many edges before a round starts")
+    lora: LoraConfig = LoraConfig()
+    base_model_name: str = Field("collm-tiny-llama", min_length=1,
+                                 description="base_model_name_or_path written to adapter_config.json")
+    robust: RobustConfig = RobustConfig()
+    balancer: BalancerConfig = BalancerConfig()
+    checkpoint_dir: str = Field("runs/checkpoints", min_length=1)
+    round_timeout_s: float = Field(600.0, gt=0, description="how long to wait for TRAIN/EVALUATE replies")
+    query_timeout_s: float = Field(60.0, gt=0, description="how long to wait for load reports")
+
+    @model_validator(mode="after")
+    def _timeout_covers_deadline(self) -> ServerConfig:
+        if self.round_timeout_s <= self.balancer.round_deadline_s:
+            raise ValueError(
+                f"round_timeout_s ({self.round_timeout_s:g}) must be larger than "
+                f"balancer.round_deadline_s ({self.balancer.round_deadline_s:g}), "
+                "or every training reply arrives too late")
+        return self
+
+
+# run_config keys (`[tool.flwr.app.config]` or `flwr run -c "k=v"`) that override the YAML
+RUN_CONFIG_OVERRIDES = {"rounds": "rounds", "num-server-rounds": "rounds",
+                        "strategy": "strategy", "checkpoint-dir": "checkpoint_dir"}
+DEFAULT_CONFIG_PATH = "configs/server.yaml"
+
+
+def load_server_config(run_config: dict[str, Any] | None = None) -> ServerConfig:
+    """The ServerConfig named by run_config["config"] (default configs/server.yaml), with overrides."""
+    rc = dict(run_config or {})
+    path = Path(str(rc.get("config", DEFAULT_CONFIG_PATH)))
+    overrides = {field: rc[key] for key, field in RUN_CONFIG_OVERRIDES.items() if key in rc}
+    return load_config(ServerConfig, path, overrides)

@@ -1,0 +1,348 @@
+"""flwr's FedAvg / FedProx / FedAdam with CoLLM's round logic mixed in.
+
+`CollmRounds` overrides only what changes; the averaging and FedAdam's server step stay flwr's:
+
+* `configure_train`  asks the sampled edges for a load report (a QUERY message), runs the
+  balancer and sends a TRAIN message only to the edges that take part, each with its own
+  ConfigRecord: flwr's base config ("server-round", "proximal-mu" for FedProx) plus
+  "budget-tokens", "deadline-s" and "lr". No edge taking part means no training this round.
+* `aggregate_train`  records each edge's train metrics, leaves bad updates out
+  (`collm.server.robust`) and hands the rest to flwr. Nothing left: the global stays as it was.
+* `aggregate_evaluate` records each edge's holdout metrics.
+* `start`  checkpoints the round (adapter + metrics.json) after its evaluation; only then is the
+  round complete.
+
+Rounds are numbered from `round_offset + 1` (resume): flwr's loop counts 1..n, the messages,
+logs and checkpoints use the real round number.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from logging import INFO, WARNING
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx, Result
+from flwr.serverapp.strategy.fedopt import FedOpt
+from flwr.supercore import log
+
+from collm.common import protocol as P
+
+from .balancer import BalancerParams, Decision, EdgeReport, balance
+from .checkpoints import write_round
+from .config import ServerConfig
+from .replies import edge_name, parse_report
+from .robust import Update, screen_updates
+
+
+class CollmRounds:
+    """Mixin for a flwr FedAvg-family strategy: balancer, robust filtering, checkpoints.
+
+    Parameters
+    ----------
+    server_cfg : ServerConfig
+        Balancer and robustness settings, LoRA settings and base model name (written to
+        adapter_config.json), checkpoint_dir and query_timeout_s.
+    round_offset : int (default: 0)
+        Rounds already complete in checkpoint_dir; flwr's round n is round n + round_offset.
+    **kwargs
+        Passed on to the flwr strategy (FedAvg, FedProx or FedAdam).
+    """
+
+    def __init__(self, *, server_cfg: ServerConfig, round_offset: int = 0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.server_cfg = server_cfg
+        self.round_offset = round_offset
+        self.balancer_params = BalancerParams(
+            target_attainment=server_cfg.balancer.target_attainment,
+            round_deadline_s=server_cfg.balancer.round_deadline_s,
+            round_token_budget=server_cfg.balancer.round_token_budget,
+            min_edge_tokens=server_cfg.balancer.min_edge_tokens,
+            spare_use=server_cfg.balancer.spare_use,
+        )
+        self.history: dict[int, dict] = {}        # real round -> what happened (metrics.json)
+        self._global: dict[str, np.ndarray] = {}  # the adapter sent out this round
+        self._started: dict[int, float] = {}
+        self._node_names: dict[int, str] = {}     # last name each node reported
+
+    # ------------------------------------------------------------------------------ rounds
+    def real_round(self, server_round: int) -> int:
+        return server_round + self.round_offset
+
+    def _record(self, r: int) -> dict:
+        if r not in self.history:
+            self._started[r] = time.time()
+            self.history[r] = {
+                "round": r, "strategy": type(self).__name__,
+                "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "balancer": [], "training_skipped": None,
+                "train": {}, "dropped": {}, "kept": [], "train_aggregate": None,
+                "eval": {}, "eval_aggregate": None,
+            }
+        return self.history[r]
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """flwr's round loop; each round ends by writing its checkpoint (via evaluate_fn)."""
+
+        def end_of_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            res = evaluate_fn(server_round, arrays) if evaluate_fn else None
+            if server_round > 0:
+                self.finish_round(server_round, arrays)
+            return res
+
+        return super().start(grid, initial_arrays, num_rounds=num_rounds, timeout=timeout,
+                             train_config=train_config, evaluate_config=evaluate_config,
+                             evaluate_fn=end_of_round)
+
+    def finish_round(self, server_round: int, arrays: ArrayRecord) -> None:
+        r = self.real_round(server_round)
+        rec = self._record(r)
+        rec["wall_s"] = round(time.time() - self._started[r], 3)
+        rec["global_keys"] = len(arrays)
+        d = write_round(self.server_cfg.checkpoint_dir, r, {k: v.numpy() for k, v in arrays.items()}, rec,
+                        self.server_cfg.lora, self.server_cfg.base_model_name, self.server_state())
+        log(INFO, "round %d complete in %.1f s: checkpoint %s", r, rec["wall_s"], d)
+
+    def server_state(self) -> dict[str, dict[str, np.ndarray]]:
+        """Server optimizer state to checkpoint (FedAdam's moments), empty for FedAvg/FedProx."""
+        if not isinstance(self, FedOpt):
+            return {}
+        return {k: v for k, v in (("m_t", self.m_t), ("v_t", self.v_t)) if v}
+
+    def restore_server_state(self, state: dict[str, dict[str, np.ndarray]]) -> None:
+        if isinstance(self, FedOpt):
+            self.m_t = state.get("m_t") or None
+            self.v_t = state.get("v_t") or None
+
+    def _names_of(self, replies: list[Message]) -> dict[int, str]:
+        """Edge name per replying node: the reported one, else the last one known, else node-<id>."""
+        names = {}
+        for m in replies:
+            nid = m.metadata.src_node_id
+            names[nid] = edge_name(m) or self._node_names.get(nid) or f"node-{nid}"
+        self._node_names.update(names)
+        return _unique_names(names)
+
+    # ------------------------------------------------------------------------------ train
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        r = self.real_round(server_round)
+        rec = self._record(r)
+        self._global = {k: v.numpy() for k, v in arrays.items()}
+        base = list(super().configure_train(r, arrays, config, grid))
+        if not base:
+            return []
+        base_config = dict(base[0].content[self.configrecord_key])
+        node_ids = [m.metadata.dst_node_id for m in base]
+
+        reports, no_report = self._query_reports(r, node_ids, grid)
+        decisions = {d.name: d for d in balance(list(reports.values()), self.balancer_params)}
+        messages = []
+        for nid in node_ids:
+            if nid in no_report:
+                d = Decision(self._node_names.get(nid, f"node-{nid}"), False, 0, 0.0, no_report[nid])
+                report = None
+            else:
+                report = reports[nid]
+                d = decisions[report.name]
+            rec["balancer"].append({"edge": d.name, "node_id": nid, "take_part": d.take_part,
+                                    "budget_tokens": d.budget_tokens, "deadline_s": d.deadline_s,
+                                    "reason": d.reason, "cap_tokens": d.cap_tokens, "weight": d.weight,
+                                    "report": None if report is None else vars(report)})
+            log(INFO, "round %d: %s %s: %s", r, d.name, "trains" if d.take_part else "sits out", d.reason)
+            if d.take_part:
+                cfg = ConfigRecord({**base_config, P.BUDGET_TOKENS: d.budget_tokens,
+                                    P.DEADLINE_S: d.deadline_s, P.LR: self.server_cfg.balancer.lr})
+                content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg})
+                messages.append(Message(content, dst_node_id=nid, message_type=MessageType.TRAIN))
+        if not messages:
+            rec["training_skipped"] = "no edge takes part (see balancer reasons)"
+            log(WARNING, "round %d: no edge takes part, so no training this round; the global adapter "
+                "stays as it is", r)
+        return messages
+
+    def _query_reports(self, r: int, node_ids: list[int],
+                       grid: Grid) -> tuple[dict[int, EdgeReport], dict[int, str]]:
+        """Fresh load reports by node id, and why the nodes without one have none."""
+        queries = [Message(RecordDict({P.CONFIG: ConfigRecord({P.SERVER_ROUND: r})}),
+                           dst_node_id=nid, message_type=MessageType.QUERY) for nid in node_ids]
+        replies = list(grid.send_and_receive(queries, timeout=self.server_cfg.query_timeout_s))
+        names = self._names_of(replies)
+        reports: dict[int, EdgeReport] = {}
+        missing = {nid: f"no load report within {self.server_cfg.query_timeout_s:g} s" for nid in node_ids}
+        for rep in replies:
+            nid = rep.metadata.src_node_id
+            if rep.has_error():
+                missing[nid] = f"load report failed: {rep.error.reason}"
+            elif P.REPORT not in rep.content.metric_records:
+                missing[nid] = "QUERY reply has no 'report' MetricRecord"
+            else:
+                reports[nid] = parse_report(names[nid], dict(rep.content[P.REPORT]))
+                missing.pop(nid, None)
+        return reports, missing
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        r = self.real_round(server_round)
+        rec = self._record(r)
+        replies = list(replies)
+        if not replies:
+            if rec["training_skipped"] is None:
+                rec["training_skipped"] = "no TRAIN replies"
+                log(WARNING, "round %d: no TRAIN replies; the global adapter stays as it is", r)
+            return None, None
+
+        names = self._names_of(replies)
+        updates, candidates = [], []
+        for m in replies:
+            name = names[m.metadata.src_node_id]
+            if m.has_error():
+                rec["train"][name] = {"error": m.error.reason}
+                rec["dropped"][name] = f"error reply: {m.error.reason}"
+                continue
+            metrics = m.content.metric_records
+            rec["train"][name] = dict(next(iter(metrics.values()))) if len(metrics) == 1 else {}
+            if problem := _train_reply_problem(m.content):
+                rec["dropped"][name] = problem
+                continue
+            arrays = next(iter(m.content.array_records.values()))
+            updates.append(Update(name, float(rec["train"][name][P.NUM_EXAMPLES]),
+                                  {k: v.numpy() for k, v in arrays.items()}))
+            candidates.append(m)
+
+        screening = screen_updates(updates, self._global, self.server_cfg.robust.norm_k)
+        for i, why in screening.dropped.items():
+            rec["dropped"][updates[i].name] = why
+        for name, why in rec["dropped"].items():
+            log(WARNING, "round %d: update from %s left out: %s", r, name, why)
+        kept = [candidates[i] for i in screening.kept]
+        rec["kept"] = [updates[i].name for i in screening.kept]
+        if not kept:
+            log(WARNING, "round %d: all %d updates were left out; the global adapter stays as it is",
+                r, len(replies))
+            return None, None
+        log(INFO, "round %d: aggregating %d update(s) from %s", r, len(kept), ", ".join(rec["kept"]))
+
+        kept = _common_metric_keys(kept, r)
+        if isinstance(self, FedOpt) and not self._global:
+            # FedAdam's step needs a previous global; in round 1 there is none (edges started from
+            # their seeded adapter), so the round's FedAvg becomes the first global.
+            log(INFO, "round %d: global was empty; using the FedAvg of the updates, the server "
+                "optimizer starts next round", r)
+            arrays, metrics = FedAvg.aggregate_train(self, r, kept)
+        else:
+            arrays, metrics = super().aggregate_train(r, kept)
+        if arrays is not None and any(a.numpy().dtype != np.float32 for a in arrays.values()):
+            arrays = ArrayRecord({k: Array(a.numpy().astype(np.float32)) for k, a in arrays.items()})
+        rec["train_aggregate"] = None if metrics is None else dict(metrics)
+        return arrays, metrics
+
+    # ------------------------------------------------------------------------------ evaluate
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return super().configure_evaluate(self.real_round(server_round), arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        r = self.real_round(server_round)
+        rec = self._record(r)
+        replies = list(replies)
+        names = self._names_of(replies)
+        usable = []
+        for m in replies:
+            name = names[m.metadata.src_node_id]
+            if m.has_error():
+                rec["eval"][name] = {"error": m.error.reason}
+                log(WARNING, "round %d: evaluation on %s failed: %s", r, name, m.error.reason)
+                continue
+            metrics = m.content.metric_records
+            if len(metrics) != 1:
+                rec["eval"][name] = {"error": f"expected one MetricRecord, got {len(metrics)}"}
+                continue
+            values = dict(next(iter(metrics.values())))
+            rec["eval"][name] = values
+            log(INFO, "round %d: %s holdout eval-loss %s", r, name, _fmt(values.get("eval-loss")))
+            weight = values.get(self.weighted_by_key)
+            if isinstance(weight, (int, float)) and weight > 0:
+                usable.append(m)
+        if not usable:
+            return None
+        metrics = super().aggregate_evaluate(r, _common_metric_keys(usable, r))
+        rec["eval_aggregate"] = None if metrics is None else dict(metrics)
+        return metrics
+
+
+def _fmt(x) -> str:
+    return f"{x:.4f}" if isinstance(x, float) else str(x)
+
+
+def _unique_names(names: dict[int, str]) -> dict[int, str]:
+    """A name reported by two nodes gets '#<node id>' appended."""
+    counts: dict[str, int] = {}
+    for n in names.values():
+        counts[n] = counts.get(n, 0) + 1
+    return {nid: (n if counts[n] == 1 else f"{n}#{nid}") for nid, n in names.items()}
+
+
+def _train_reply_problem(content: RecordDict) -> str | None:
+    """What makes a TRAIN reply unusable for FedAvg (one ArrayRecord, one MetricRecord with weight)."""
+    if len(content.array_records) != 1:
+        return f"expected one ArrayRecord, got {len(content.array_records)}"
+    if len(content.metric_records) != 1:
+        return f"expected one MetricRecord, got {len(content.metric_records)}"
+    n = next(iter(content.metric_records.values())).get(P.NUM_EXAMPLES)
+    if not isinstance(n, (int, float)):
+        return f"metrics lack a numeric '{P.NUM_EXAMPLES}'"
+    return None
+
+
+def _common_metric_keys(replies: list[Message], r: int) -> list[Message]:
+    """flwr's FedAvg rejects the whole round when MetricRecords differ in keys; keep the common ones."""
+    records = [next(iter(m.content.metric_records.values())) for m in replies]
+    common = set.intersection(*(set(rec.keys()) for rec in records))
+    if all(set(rec.keys()) == common for rec in records):
+        return replies
+    extra = sorted(set.union(*(set(rec.keys()) for rec in records)) - common)
+    log(WARNING, "round %d: replies differ in metric keys; averaging only the common ones (not: %s)",
+        r, ", ".join(extra))
+    out = []
+    for m, rec in zip(replies, records, strict=True):
+        content = RecordDict({P.METRICS: MetricRecord({k: rec[k] for k in common})})
+        for key, arrays in m.content.array_records.items():
+            content[key] = arrays
+        out.append(Message(content, metadata=m.metadata))
+    return out
+
+
+class CollmFedAvg(CollmRounds, FedAvg):
+    """FedAvg over the LoRA adapter, with the CoLLM balancer, robust filtering and checkpoints."""
+
+
+class CollmFedProx(CollmRounds, FedProx):
+    """FedProx ("proximal-mu" in every TRAIN config), with the CoLLM round logic."""
+
+
+class CollmFedAdam(CollmRounds, FedAdam):
+    """FedAdam (server-side Adam over the averaged update), with the CoLLM round logic."""
+
+
+def build_strategy(cfg: ServerConfig, round_offset: int = 0,
+                   server_state: dict[str, dict[str, np.ndarray]] | None = None) -> CollmRounds:
+    """The strategy named by `cfg.strategy`, sampling every connected edge each round."""
+    common = dict(server_cfg=cfg, round_offset=round_offset, fraction_train=1.0, fraction_evaluate=1.0,
+                  min_train_nodes=cfg.min_nodes, min_evaluate_nodes=cfg.min_nodes,
+                  min_available_nodes=cfg.min_nodes)
+    if cfg.strategy == "fedprox":
+        strategy: CollmRounds = CollmFedProx(proximal_mu=cfg.proximal_mu, **common)
+    elif cfg.strategy == "fedadam":
+        strategy = CollmFedAdam(**cfg.fedadam.model_dump(), **common)
+    else:
+        strategy = CollmFedAvg(**common)
+    if server_state:
+        strategy.restore_server_state(server_state)
+    return strategy

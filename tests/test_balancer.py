@@ -1,0 +1,127 @@
+"""The workload balancer on synthetic load reports (pure function, no Flower)."""
+
+import math
+import random
+
+import pytest
+
+from collm.server.balancer import BalancerParams, EdgeReport, balance, capacity, water_fill
+
+P = BalancerParams(target_attainment=0.95, round_deadline_s=120.0, round_token_budget=20000,
+                   min_edge_tokens=256, spare_use=0.8)
+
+
+def edge(name, *, spare=0.9, attain=0.99, queue=0.0, n=100, gain=1.0, tps=100.0, rate=1.0):
+    return EdgeReport(name=name, request_rate=rate, slo_attainment=attain, spare_capacity=spare,
+                      queue_depth=queue, train_examples=n, gain_per_ktok=gain, train_tokens_per_s=tps)
+
+
+def by_name(decisions):
+    return {d.name: d for d in decisions}
+
+
+def test_busy_edge_gets_less_training_than_idle_one():
+    d = by_name(balance([edge("idle", spare=0.9), edge("busy", spare=0.1)], P))
+    assert d["idle"].take_part and d["busy"].take_part
+    assert d["busy"].budget_tokens < d["idle"].budget_tokens
+    # both are capacity-bound here (Σ cap < B): each gets its own cap c·s·u·D
+    assert d["busy"].budget_tokens == int(100 * 0.1 * 0.8 * 120)
+    assert d["idle"].budget_tokens == int(100 * 0.9 * 0.8 * 120)
+    assert "spare 0.10" in d["busy"].reason and "cap 960" in d["busy"].reason
+
+
+def test_queue_shrinks_capacity():
+    assert capacity(edge("q", queue=3), P) == pytest.approx(capacity(edge("q"), P) / 4)
+
+
+def test_edge_below_slo_target_gets_no_training():
+    d = by_name(balance([edge("ok"), edge("slow", attain=0.91)], P))
+    assert not d["slow"].take_part and d["slow"].budget_tokens == 0
+    assert d["slow"].reason == "below SLO target: attainment 0.91 < 0.95"
+    assert d["ok"].take_part
+
+
+def test_unknown_attainment_is_eligible_and_no_data_is_not():
+    d = by_name(balance([edge("fresh", attain=None), edge("empty", n=0)], P))
+    assert d["fresh"].take_part
+    assert not d["empty"].take_part and "no local training examples" in d["empty"].reason
+
+
+def test_total_respects_round_budget():
+    reports = [edge(f"e{i}", spare=1.0, tps=1000.0, n=100 + 37 * i, gain=1.0 + 0.2 * i) for i in range(6)]
+    d = balance(reports, P)
+    total = sum(x.budget_tokens for x in d)
+    assert all(x.take_part for x in d)
+    assert P.round_token_budget - len(d) <= total <= P.round_token_budget
+    assert all(x.deadline_s == P.round_deadline_s for x in d)
+
+
+def test_unsaturated_edges_get_shares_proportional_to_weight():
+    reports = [edge("a", n=100), edge("b", n=200), edge("c", n=300)]
+    params = BalancerParams(0.95, 120.0, 6000, 256, 0.8)   # caps (8640 each) do not bind
+    d = by_name(balance(reports, params))
+    assert [d[k].budget_tokens for k in "abc"] == [1000, 2000, 3000]
+
+
+def test_leftovers_of_a_capped_edge_go_to_the_others():
+    reports = [edge("capped", n=300, spare=0.05), edge("b", n=100), edge("c", n=300)]
+    params = BalancerParams(0.95, 120.0, 6000, 256, 0.8)
+    d = by_name(balance(reports, params))
+    cap = 100 * 0.05 * 0.8 * 120                         # 480 < its proportional share 3600
+    assert d["capped"].budget_tokens == int(cap)
+    rest = 6000 - cap                                    # split 1:3 between b and c
+    assert d["b"].budget_tokens == int(rest / 4)
+    assert d["c"].budget_tokens == int(rest * 3 / 4)
+
+
+def test_unknown_gain_uses_mean_of_known_gains():
+    reports = [edge("lo", gain=1.0), edge("hi", gain=3.0), edge("new", gain=None)]
+    params = BalancerParams(0.95, 120.0, 6000, 256, 0.8)
+    d = by_name(balance(reports, params))
+    assert d["new"].weight == pytest.approx(2.0 * 100)
+    assert [d[k].budget_tokens for k in ("lo", "new", "hi")] == [1000, 2000, 3000]
+
+
+def test_all_gains_unknown_splits_by_examples():
+    reports = [edge("a", gain=None, n=100), edge("b", gain=None, n=300)]
+    params = BalancerParams(0.95, 120.0, 4000, 256, 0.8)
+    d = by_name(balance(reports, params))
+    assert (d["a"].budget_tokens, d["b"].budget_tokens) == (1000, 3000)
+
+
+def test_plateaued_edge_still_gets_something():
+    reports = [edge("learning", gain=2.0), edge("flat", gain=0.0), edge("worse", gain=-0.5)]
+    params = BalancerParams(0.95, 120.0, 20000, 10, 0.8)
+    d = by_name(balance(reports, params))
+    assert d["flat"].take_part and d["worse"].take_part
+    assert 0 < d["flat"].budget_tokens < d["learning"].budget_tokens
+
+
+def test_share_below_minimum_sits_out_and_tokens_are_redistributed():
+    reports = [edge("big", n=1000), edge("small", n=5)]
+    params = BalancerParams(0.95, 120.0, 5000, 256, 0.8)   # small's share ≈ 25 tokens
+    d = by_name(balance(reports, params))
+    assert not d["small"].take_part and "< minimum 256" in d["small"].reason
+    assert d["big"].budget_tokens == 5000
+
+
+def test_no_spare_capacity_means_no_training():
+    d = by_name(balance([edge("full", spare=0.0), edge("ok")], P))
+    assert not d["full"].take_part and "cap 0 tokens" in d["full"].reason
+
+
+def test_water_fill_is_the_kkt_solution():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 8)
+        w = {i: rng.uniform(0.1, 10) for i in range(n)}
+        cap = {i: rng.uniform(0, 5000) for i in range(n)}
+        budget = rng.uniform(0, 20000)
+        x = water_fill(w, cap, budget)
+        assert sum(x.values()) == pytest.approx(min(budget, sum(cap.values())), rel=1e-9, abs=1e-6)
+        assert all(-1e-9 <= x[i] <= cap[i] + 1e-9 for i in range(n))
+        free = [i for i in range(n) if x[i] < cap[i] - 1e-6]
+        if free:  # one level θ for every unsaturated edge; saturated ones have cap ≤ θ·w
+            theta = x[free[0]] / w[free[0]]
+            assert all(math.isclose(x[i] / w[i], theta, rel_tol=1e-9) for i in free)
+            assert all(cap[i] <= theta * w[i] + 1e-6 for i in range(n) if i not in free)

@@ -1,0 +1,394 @@
+"""The CoLLM strategy end to end against fake edges, through a serverless in-process Grid.
+
+The fake edges are real `ClientApp`s that follow the message protocol in
+`collm.common.protocol`; `LocalGrid` delivers each Message synchronously (no SuperLink, no Ray).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from uuid import uuid4
+
+import numpy as np
+import pytest
+from flwr.app import (Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord,
+                      RecordDict)
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from collm.common.config import deep_merge, validate_config
+from collm.server.app import app as server_app
+from collm.server.app import run, summary_table
+from collm.server.checkpoints import latest_complete_round, load_all_metrics, load_round
+from collm.server.config import ServerConfig
+from collm.server.strategy import CollmFedAdam, CollmFedProx, build_strategy
+
+KEYS = {f"base_model.model.model.layers.{i}.self_attn.{m}_proj.lora_{w}.weight": shape
+        for i in range(2) for m in ("q", "v") for w, shape in (("A", (4, 16)), ("B", (16, 4)))}
+
+
+def seeded_initial_adapter() -> dict[str, np.ndarray]:
+    """What every edge starts from in round 1 (identical seed on all edges)."""
+    rng = np.random.default_rng(1234)
+    return {k: (rng.standard_normal(s) * 0.1 if "lora_A" in k else np.zeros(s)).astype(np.float32)
+            for k, s in KEYS.items()}
+
+
+# ------------------------------------------------------------------------------ fake edges
+@dataclass
+class FakeEdge:
+    name: str
+    index: int
+    spare: float = 0.9
+    attainment: float = 0.99
+    nan_update: bool = False
+    query_fails: bool = False
+    extra_metric: bool = False
+    train_configs: list[dict] = field(default_factory=list)
+    train_arrays: list[dict] = field(default_factory=list)
+    queries: int = 0
+    evals: list[int] = field(default_factory=list)
+
+    def report(self) -> MetricRecord:
+        return MetricRecord({
+            "request-rate": 2.0, "slo-attainment": self.attainment, "spare-capacity": self.spare,
+            "queue-depth": 0.0, "running": 1.0, "train-examples": 100.0, "gain-per-ktok": -1.0,
+            "train-tokens-per-s": 1000.0, "goodput": 1.5, "adapter-version": float(len(self.train_configs)),
+        })
+
+    def delta(self) -> float:
+        return 0.01 * (self.index + 1)
+
+
+EDGES: dict[str, FakeEdge] = {}
+client_app = ClientApp()
+
+
+def _identity(edge: FakeEdge) -> ConfigRecord:
+    return ConfigRecord({"edge-name": edge.name})
+
+
+@client_app.query()
+def _query(msg: Message, context: Context) -> Message:
+    edge = EDGES[context.node_config["name"]]
+    edge.queries += 1
+    if edge.query_fails:
+        raise RuntimeError("engine not ready")
+    return Message(RecordDict({"report": edge.report(), "identity": _identity(edge)}), reply_to=msg)
+
+
+@client_app.train()
+def _train(msg: Message, context: Context) -> Message:
+    edge = EDGES[context.node_config["name"]]
+    cfg = dict(msg.content["config"])
+    rec = msg.content["arrays"]
+    start = {k: v.numpy() for k, v in rec.items()} or seeded_initial_adapter()
+    edge.train_configs.append(cfg)
+    edge.train_arrays.append({k: v.copy() for k, v in start.items()})
+    local = {k: (v + edge.delta()).astype(np.float32) for k, v in start.items()}
+    if edge.nan_update:
+        first = next(iter(local))
+        local[first][0, 0] = np.nan
+    metrics = MetricRecord({"num-examples": cfg["budget-tokens"] // 100, "train-loss": 2.0 - edge.delta(),
+                            "train-tokens": cfg["budget-tokens"], "train-steps": 3, "deadline-hit": 0,
+                            "seconds": 1.0, **({"extra": 1.0} if edge.extra_metric else {})})
+    return Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in local.items()}),
+                               "metrics": metrics, "identity": _identity(edge)}), reply_to=msg)
+
+
+@client_app.evaluate()
+def _evaluate(msg: Message, context: Context) -> Message:
+    edge = EDGES[context.node_config["name"]]
+    rnd = int(msg.content["config"]["server-round"])
+    edge.evals.append(rnd)
+    arrays = msg.content["arrays"]
+    mean_abs = float(np.mean([np.abs(v.numpy()).mean() for v in arrays.values()])) if len(arrays) else 0.0
+    metrics = MetricRecord({"num-examples": 16, "eval-loss": 3.0 - mean_abs - 0.1 * edge.index,
+                            "eval-accuracy": 0.5, "adapter-version": float(rnd)})
+    return Message(RecordDict({"metrics": metrics, "identity": _identity(edge)}), reply_to=msg)
+
+
+class LocalGrid(Grid):
+    """Synchronous in-process Grid: every pushed Message is handled at once by the node's ClientApp."""
+
+    def __init__(self, edges: dict[int, FakeEdge]):
+        self._run = Run.create_empty(run_id=1)
+        self.edges = edges
+        self.contexts = {nid: Context(run_id=1, node_id=nid, node_config={"name": e.name}, state=RecordDict(),
+                                      run_config={}) for nid, e in edges.items()}
+        self.sent: list[Message] = []
+        self._replies: dict[str, Message] = {}
+
+    def set_run(self, run):
+        self._run = run
+
+    @property
+    def run(self):
+        return self._run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self):
+        return list(self.edges)
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            mid = str(uuid4())
+            m.metadata.__dict__["_message_id"] = mid
+            self.sent.append(m)
+            try:
+                self._replies[mid] = client_app(m, self.contexts[m.metadata.dst_node_id])
+            except Exception as e:  # what a SuperNode sends back when the ClientApp raises
+                self._replies[mid] = Message(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=m)
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids):
+        return [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self.pull_messages(self.push_messages(messages))
+
+    def sent_of(self, message_type: str, round_: int | None = None) -> list[Message]:
+        return [m for m in self.sent if m.metadata.message_type == message_type
+                and (round_ is None or m.content["config"]["server-round"] == round_)]
+
+
+# ------------------------------------------------------------------------------ fixtures
+@pytest.fixture(autouse=True)
+def _task_identity():
+    # Flower 1.42: Message(...) reads the process-global task identity (set by the runtime)
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def make_grid(**specials) -> LocalGrid:
+    """Three edges: idle (node 101), busy (202: low spare), slow (303: below its SLO target)."""
+    EDGES.clear()
+    edges = {101: FakeEdge("idle", 0), 202: FakeEdge("busy", 1, spare=0.1), 303: FakeEdge("slow", 2, attainment=0.9)}
+    for e in edges.values():
+        for k, v in specials.get(e.name, {}).items():
+            setattr(e, k, v)
+        EDGES[e.name] = e
+    return LocalGrid(edges)
+
+
+def server_cfg(tmp_path, **overrides) -> ServerConfig:
+    base = {"rounds": 2, "min_nodes": 3, "checkpoint_dir": str(tmp_path / "ckpt"),
+            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            "balancer": {"round_deadline_s": 10}, "round_timeout_s": 30, "query_timeout_s": 5}
+    return validate_config(ServerConfig, deep_merge(base, overrides), "test")
+
+
+def fedavg(states: list[dict], weights: list[float]) -> dict:
+    total = float(sum(weights))
+    return {k: sum(w / total * s[k].astype(np.float64) for s, w in zip(states, weights)) for k in states[0]}
+
+
+# ------------------------------------------------------------------------------ tests
+def test_two_rounds_balancer_budgets_and_checkpoints(tmp_path):
+    grid = make_grid()
+    cfg = server_cfg(tmp_path)
+    result = build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=2, timeout=cfg.round_timeout_s)
+
+    idle, busy, slow = EDGES["idle"], EDGES["busy"], EDGES["slow"]
+    assert idle.queries == busy.queries == slow.queries == 2
+    # one TRAIN message per taking-part edge, each with its own budget: cap = c·s·u·D
+    for r in (1, 2):
+        trains = {m.metadata.dst_node_id: dict(m.content["config"]) for m in grid.sent_of(MessageType.TRAIN, r)}
+        assert set(trains) == {101, 202}                       # slow (303) got no TRAIN message
+        assert trains[101] == {"server-round": r, "budget-tokens": 7200, "deadline-s": 10.0, "lr": 2e-4}
+        assert trains[202]["budget-tokens"] == 800
+    assert slow.train_configs == [] and slow.evals == [1, 2]   # it is still evaluated
+
+    # round 1 starts from the empty global (edges use their seeded adapter); round 2 from the FedAvg
+    assert all(len(m.content["arrays"]) == 0 for m in grid.sent_of(MessageType.TRAIN, 1))
+    init = seeded_initial_adapter()
+    want1 = fedavg([{k: v + idle.delta() for k, v in init.items()},
+                    {k: v + busy.delta() for k, v in init.items()}], [72, 8])
+    for k in KEYS:
+        np.testing.assert_allclose(idle.train_arrays[1][k], want1[k], rtol=1e-5, atol=1e-7)
+        assert result.arrays[k].numpy().dtype == np.float32
+
+    # a checkpoint per round; metrics.json carries the decisions and per-edge metrics
+    assert latest_complete_round(cfg.checkpoint_dir) == 2
+    ck1 = load_round(cfg.checkpoint_dir, 1)
+    for k in KEYS:
+        np.testing.assert_allclose(ck1.arrays[k], want1[k], rtol=1e-5, atol=1e-7)
+    m1 = ck1.metrics
+    decisions = {d["edge"]: d for d in m1["balancer"]}
+    assert decisions["slow"]["take_part"] is False
+    assert decisions["slow"]["reason"] == "below SLO target: attainment 0.90 < 0.95"
+    assert decisions["busy"]["budget_tokens"] == 800 and "spare 0.10" in decisions["busy"]["reason"]
+    assert m1["kept"] == ["idle", "busy"] or m1["kept"] == ["busy", "idle"]
+    assert set(m1["train"]) == {"idle", "busy"} and m1["train"]["idle"]["num-examples"] == 72
+    assert set(m1["eval"]) == {"idle", "busy", "slow"} and m1["wall_s"] >= 0
+    table = summary_table(load_all_metrics(cfg.checkpoint_dir))
+    assert "slow" in table and len(table.splitlines()) == 4
+
+
+def test_nan_update_is_dropped_and_the_round_completes(tmp_path):
+    grid = make_grid(busy={"nan_update": True})
+    cfg = server_cfg(tmp_path, rounds=1)
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=1, timeout=30)
+
+    m = load_round(cfg.checkpoint_dir, 1)
+    assert m.metrics["kept"] == ["idle"]
+    assert m.metrics["dropped"]["busy"].startswith("non-finite values in base_model.model.model.layers.0")
+    want = {k: v + EDGES["idle"].delta() for k, v in seeded_initial_adapter().items()}
+    for k in KEYS:
+        np.testing.assert_allclose(m.arrays[k], want[k], rtol=1e-6)
+
+
+def test_all_updates_dropped_keeps_previous_global(tmp_path):
+    grid = make_grid(idle={"nan_update": True}, busy={"nan_update": True})
+    cfg = server_cfg(tmp_path, rounds=1)
+    result = build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=1, timeout=30)
+    assert len(result.arrays) == 0
+    ck = load_round(cfg.checkpoint_dir, 1)
+    assert ck.arrays == {} and set(ck.metrics["dropped"]) == {"idle", "busy"}
+
+
+def test_no_edge_takes_part_skips_training(tmp_path):
+    grid = make_grid(idle={"attainment": 0.5}, busy={"attainment": 0.5})
+    cfg = server_cfg(tmp_path, rounds=1)
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=1, timeout=30)
+    assert grid.sent_of(MessageType.TRAIN) == []
+    ck = load_round(cfg.checkpoint_dir, 1)
+    assert ck.metrics["training_skipped"] and ck.arrays == {}
+    assert all(not d["take_part"] for d in ck.metrics["balancer"])
+
+
+def test_resume_continues_from_last_complete_round(tmp_path):
+    cfg_path = tmp_path / "server.yaml"
+    cfg_path.write_text(f"""
+rounds: 2
+min_nodes: 3
+checkpoint_dir: {tmp_path / 'ckpt'}
+lora: {{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
+balancer: {{round_deadline_s: 10}}
+round_timeout_s: 30
+""")
+
+    def ctx(**rc):
+        return Context(run_id=1, node_id=1, node_config={}, state=RecordDict(),
+                       run_config={"config": str(cfg_path), **rc})
+
+    server_app(make_grid(), ctx())                       # rounds 1-2 through the ServerApp
+    ck2 = load_round(tmp_path / "ckpt", 2)
+
+    grid = make_grid()                                   # a restarted server, asked for 3 rounds
+    server_app(grid, ctx(**{"num-server-rounds": 3}))
+    assert latest_complete_round(tmp_path / "ckpt") == 3
+    trains = grid.sent_of(MessageType.TRAIN)
+    assert {m.content["config"]["server-round"] for m in trains} == {3}     # only round 3 ran
+    for k in KEYS:                                                          # from round 2's global
+        np.testing.assert_array_equal(EDGES["idle"].train_arrays[0][k], ck2.arrays[k])
+    assert EDGES["idle"].evals == [3]
+
+    grid = make_grid()                                   # nothing left to do
+    server_app(grid, ctx(**{"num-server-rounds": 3}))
+    assert grid.sent == []
+
+
+def test_fedprox_puts_proximal_mu_in_the_config(tmp_path):
+    grid = make_grid()
+    cfg = server_cfg(tmp_path, strategy="fedprox", proximal_mu=0.05, rounds=1)
+    strategy = build_strategy(cfg)
+    assert isinstance(strategy, CollmFedProx)
+    strategy.start(grid, ArrayRecord(), num_rounds=1, timeout=30)
+    configs = [dict(m.content["config"]) for m in grid.sent_of(MessageType.TRAIN)]
+    assert len(configs) == 2 and all(c["proximal-mu"] == 0.05 for c in configs)
+    assert all({"budget-tokens", "deadline-s", "lr", "server-round"} <= set(c) for c in configs)
+
+
+def test_fedadam_runs_and_resumes_its_moments(tmp_path):
+    grid = make_grid()
+    cfg = server_cfg(tmp_path, strategy="fedadam", rounds=2, fedadam={"eta": 0.01})
+    strategy = build_strategy(cfg)
+    assert isinstance(strategy, CollmFedAdam)
+    result = strategy.start(grid, ArrayRecord(), num_rounds=2, timeout=30)
+
+    # round 1: empty global, so the FedAvg of the updates becomes the first global
+    ck1, ck2 = load_round(cfg.checkpoint_dir, 1), load_round(cfg.checkpoint_dir, 2)
+    init = seeded_initial_adapter()
+    want1 = fedavg([{k: v + EDGES["idle"].delta() for k, v in init.items()},
+                    {k: v + EDGES["busy"].delta() for k, v in init.items()}], [72, 8])
+    for k in KEYS:
+        np.testing.assert_allclose(ck1.arrays[k], want1[k], rtol=1e-5, atol=1e-7)
+    # round 2: a server Adam step of size ≈ eta per coordinate (not the plain FedAvg)
+    step = {k: ck2.arrays[k] - ck1.arrays[k] for k in KEYS}
+    assert all(np.isfinite(v).all() and result.arrays[k].numpy().dtype == np.float32 for k, v in step.items())
+    assert all(0 < np.abs(v).max() <= 0.011 for v in step.values())
+    assert set(ck2.server_state) == {"m_t", "v_t"}
+
+    # resume: moments come back from the checkpoint
+    resumed = build_strategy(cfg.model_copy(update={"rounds": 3}), round_offset=2, server_state=ck2.server_state)
+    for k in KEYS:
+        np.testing.assert_array_equal(resumed.m_t[k], ck2.server_state["m_t"][k])
+    run(make_grid(), cfg.model_copy(update={"rounds": 3}))
+    assert latest_complete_round(cfg.checkpoint_dir) == 3
+
+
+def test_failed_load_report_and_differing_metric_keys(tmp_path):
+    grid = make_grid(busy={"query_fails": True}, slow={"attainment": 0.99, "extra_metric": True})
+    cfg = server_cfg(tmp_path, rounds=1)
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=1, timeout=30)
+    ck = load_round(cfg.checkpoint_dir, 1)
+    decisions = {d["node_id"]: d for d in ck.metrics["balancer"]}
+    assert decisions[202]["take_part"] is False
+    assert decisions[202]["reason"] == "load report failed: RuntimeError: engine not ready"
+    assert {m.metadata.dst_node_id for m in grid.sent_of(MessageType.TRAIN)} == {101, 303}
+    # slow's extra metric key would make flwr's FedAvg reject the round; only common keys are averaged
+    assert sorted(ck.metrics["kept"]) == ["idle", "slow"] and "extra" not in ck.metrics["train_aggregate"]
+    assert ck.metrics["train"]["slow"]["extra"] == 1.0
+
+
+def test_fake_edges_speak_the_shared_protocol():
+    from collm.common import protocol
+
+    assert tuple(FakeEdge("x", 0).report().keys()) == protocol.REPORT_KEYS
+
+
+def test_parse_report_unknowns():
+    from collm.server.replies import parse_report
+
+    r = parse_report("e", {"slo-attainment": -1.0, "gain-per-ktok": -1.0, "spare-capacity": float("nan"),
+                           "train-examples": 12.0})
+    assert r.slo_attainment is None and r.gain_per_ktok is None and r.spare_capacity == 0.0
+    assert r.train_examples == 12 and r.train_tokens_per_s == 0.0
+    r = parse_report("e", {"slo-attainment": 0.97, "gain-per-ktok": -0.2})
+    assert r.slo_attainment == 0.97 and r.gain_per_ktok == -0.2
+
+
+# ------------------------------------------------------------------------------ config
+def test_shipped_server_config_loads_and_builds():
+    from collm.server.config import load_server_config
+
+    cfg = load_server_config({})                                   # configs/server.yaml
+    assert cfg.strategy == "fedavg" and cfg.round_timeout_s > cfg.balancer.round_deadline_s
+    assert load_server_config({"rounds": 7, "strategy": "fedadam"}).rounds == 7
+    assert isinstance(build_strategy(load_server_config({"strategy": "fedadam"})), CollmFedAdam)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("balancer: {spare_use: 2}", "x.yaml: balancer.spare_use: expected less than or equal to 1, got 2"),
+    ("strategy: fedsgd", "x.yaml: strategy: expected 'fedavg', 'fedprox' or 'fedadam', got 'fedsgd'"),
+    ("robust: {norm: 3}", "x.yaml: robust.norm: unknown key (allowed here: norm_k)"),
+    ("round_timeout_s: 60", "round_timeout_s (60) must be larger than balancer.round_deadline_s (120)"),
+])
+def test_bad_server_config_is_a_one_line_user_error(tmp_path, monkeypatch, text, message):
+    from collm.common.errors import UserError
+    from collm.server.config import load_server_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.yaml").write_text(text)
+    with pytest.raises(UserError) as e:
+        load_server_config({"config": "x.yaml"})
+    assert message in str(e.value) and "\n" not in str(e.value)
