@@ -61,6 +61,8 @@ class ModelConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     quantization: Literal["none", "nf4", "int8"] = "none"
     cache_dir: str = Field("~/.cache/collm", description="converted models are cached here")
+    threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: one per core); with "
+                                                       "several edges on one machine give each cores/edges")
     tiny: TinyModelConfig = TinyModelConfig()
 
     @model_validator(mode="after")
@@ -138,6 +140,7 @@ class TrainingConfig(Strict):
     grad_accum_steps: int = Field(4, ge=1, description="micro-batches per optimizer step")
     max_seq_len: int = Field(256, ge=16)
     reset_optimizer_each_round: bool = True
+    default_round_tokens: int = Field(4096, ge=1, description="round budget when the server assigns none")
     eval_batch_size: int = Field(4, ge=1)
     max_eval_records: int | None = Field(64, ge=1, description="cap on holdout records per evaluation")
 
@@ -147,6 +150,28 @@ class ApiConfig(Strict):
     port: int = Field(8080, ge=0, le=65535)
     shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: let in-flight requests finish")
     admin: bool = Field(False, description="enable /admin/* (local training, evaluation, adapter loading)")
+
+
+class FederationConfig(Strict):
+    """How this edge takes part in Flower rounds (a child flower-supernode; tasks run in-process)."""
+
+    enabled: bool = False
+    superlink: str = Field("127.0.0.1:8000", pattern=r"^[^\s:]+:\d+$", description="SuperLink host:port")
+    runtime_port: int = Field(9094, ge=1, le=65535, description="the SuperNode's runtime API (127.0.0.1 only)")
+    insecure: bool = Field(True, description="plain HTTP to the SuperLink; false = TLS")
+    root_certificates: str | None = Field(None, description="CA file to verify the SuperLink (TLS)")
+    auth_private_key: str | None = Field(None, description="SuperNode key (OpenSSH ECDSA) for node authentication")
+    node_config: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _tls(self) -> FederationConfig:
+        for field in ("root_certificates", "auth_private_key"):
+            path = getattr(self, field)
+            if path is not None and not Path(path).expanduser().is_file():
+                raise ValueError(f"{field} {path!r} does not exist")
+        if self.insecure and (self.root_certificates or self.auth_private_key):
+            raise ValueError("root_certificates / auth_private_key need TLS: set insecure: false")
+        return self
 
 
 class EdgeConfig(Strict):
@@ -160,6 +185,7 @@ class EdgeConfig(Strict):
     data: DataConfig = DataConfig()
     training: TrainingConfig = TrainingConfig()
     api: ApiConfig = ApiConfig()
+    federation: FederationConfig = FederationConfig()
     state_dir: str = Field("state/{name}", description="adapters and local state; {name} = edge name")
 
     @property

@@ -258,6 +258,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
 
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     t0 = time.time()
     if cfg.source == "tiny" and cfg.quantization == "none":
         tokenizer = build_tiny_tokenizer(cfg.tiny.vocab_size)

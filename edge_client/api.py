@@ -56,6 +56,8 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
 
     if rt.ready.is_set():
         metrics()
+    else:  # count every request from the first one, not from the first scrape
+        rt.on_ready.append(metrics)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ApiError)

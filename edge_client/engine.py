@@ -133,7 +133,8 @@ class Engine:
         self.telemetry = Telemetry()
         self.shadow = ShadowAdapter(self.layers, lm.device, lm.dtype)
         adapter = TrainableAdapter(self.layers, lm.device, seed=seed)
-        self.shadow.publish(adapter.state_dict_peft(), 0, source="initial")  # B = 0: the base model
+        self.initial_state = adapter.state_dict_peft()  # identical on every edge: the round-1 start
+        self.shadow.publish(self.initial_state, 0, source="initial")  # B = 0: the base model
         self.trainer: LocalTrainer | None = None
         self.holdout: list = []
         if data is not None:

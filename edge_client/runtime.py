@@ -38,6 +38,9 @@ class EdgeRuntime:
         self.load_error: str | None = None
         self._publish_lock = threading.Lock()
         self.started_at = time.time()
+        self.on_ready: list = []  # called once the engine runs, before the edge reports ready
+        self.federated = None  # FederatedEdge, when federation is enabled
+        self.executor = None  # SuperNodeExecutor
 
     # ------------------------------------------------------------------ lifecycle
     def load(self) -> Engine:
@@ -52,6 +55,10 @@ class EdgeRuntime:
         self._restore(engine)
         engine.start()
         self.engine = engine
+        for fn in self.on_ready:
+            fn()
+        if cfg.federation.enabled:
+            self.start_federation()
         self.ready.set()
         log.info("edge %s: ready (max context %d tokens, %d slots, adapter version %d)", cfg.name,
                  engine.max_context, engine.pool.slots, engine.shadow.current_version)
@@ -69,8 +76,24 @@ class EdgeRuntime:
         t.start()
         return t
 
+    def start_federation(self) -> None:
+        """Start a child flower-supernode whose tasks run in this process, on this engine."""
+        from .flower_client import FederatedEdge
+        from .flower_executor import SuperNodeExecutor
+
+        f = self.cfg.federation
+        self.federated = FederatedEdge(self)
+        self.executor = SuperNodeExecutor(
+            self.federated.client_app(), superlink=f.superlink, runtime_port=f.runtime_port,
+            node_config={"name": self.cfg.name, **f.node_config}, insecure=f.insecure,
+            root_certificates=f.root_certificates, auth_private_key=f.auth_private_key, name=self.cfg.name)
+        self.executor.start()
+        log.info("edge %s: taking part in federated rounds via SuperLink %s", self.cfg.name, f.superlink)
+
     def shutdown(self, grace_s: float) -> None:
-        """Finish in-flight requests within `grace_s`, then save the training state."""
+        """Leave the federation, finish in-flight requests within `grace_s`, save the training state."""
+        if self.executor is not None:
+            self.executor.stop()
         if self.engine is None:
             return
         self.engine.stop(grace_s)
@@ -138,8 +161,12 @@ class EdgeRuntime:
         log.info("edge %s: saved training adapter to %s", self.cfg.name, d)
 
     def federation_status(self) -> dict | None:
-        """Filled in when the edge takes part in federated rounds (see flower_client)."""
-        return None
+        """Rounds taken part in, last train/eval results and the executor's state (None if off)."""
+        if self.federated is None:
+            return None
+        ex = self.executor
+        return {**self.federated.status(), "superlink": self.cfg.federation.superlink,
+                "executor_running": ex.running, "tasks_done": ex.tasks_done, "last_error": ex.last_error}
 
     def adapters_view(self) -> dict:
         shadow = self.engine.shadow
