@@ -140,6 +140,9 @@ class TrainingConfig(Strict):
     grad_accum_steps: int = Field(4, ge=1, description="micro-batches per optimizer step")
     max_seq_len: int = Field(256, ge=16)
     reset_optimizer_each_round: bool = True
+    co_schedule: Literal["slo", "naive"] = Field(
+        "slo", description="slo: micro-batches only in SLO slack, preemptible (CoLLM); naive: a full micro-batch "
+                           "after every serving step, never preempted (the baseline without SLO control)")
     default_round_tokens: int = Field(4096, ge=1, description="round budget when the server assigns none")
     eval_batch_size: int = Field(4, ge=1)
     max_eval_records: int | None = Field(64, ge=1, description="cap on holdout records per evaluation")

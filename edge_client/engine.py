@@ -462,19 +462,22 @@ class Engine:
         if job.done() or job.past_deadline(now):
             self._end_job(job, deadline_hit=not job.done())
             return False
-        slack = self._slack(now)
-        options = [(o, self.costs.microbatch_time(job.kind, o.tokens)) for o in job.options()]
-        option = pick_microbatch(options, slack, self._arrival_gap(now))
-        if option is None:
-            job.report.deferrals += 1
-            self.telemetry.record_deferral()
-            return False
-        stop_at = now + min(slack, 1e9)
-        if job.deadline_s is not None:
-            stop_at = min(stop_at, job.started_at + job.deadline_s)
+        if self.cfg.training.co_schedule == "naive":  # baseline: no SLO control, no preemption
+            option, should_stop = job.options()[0], (lambda: False)
+        else:
+            slack = self._slack(now)
+            options = [(o, self.costs.microbatch_time(job.kind, o.tokens)) for o in job.options()]
+            option = pick_microbatch(options, slack, self._arrival_gap(now))
+            if option is None:
+                job.report.deferrals += 1
+                self.telemetry.record_deferral()
+                return False
+            stop_at = now + min(slack, 1e9)
+            if job.deadline_s is not None:
+                stop_at = min(stop_at, job.started_at + job.deadline_s)
 
-        def should_stop() -> bool:
-            return bool(self._incoming) or self._stop or time.perf_counter() > stop_at
+            def should_stop() -> bool:
+                return bool(self._incoming) or self._stop or time.perf_counter() > stop_at
 
         t0 = time.perf_counter()
         try:

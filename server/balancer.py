@@ -63,6 +63,7 @@ class BalancerParams:
     round_token_budget: int          # B
     min_edge_tokens: int             # m
     spare_use: float                 # u
+    mode: str = "slo"                # "uniform": B/N to every edge with data (a baseline, no SLO rule)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ def water_fill(weights: dict[str, float], caps: dict[str, float], budget: float)
 
 def balance(reports: list[EdgeReport], p: BalancerParams) -> list[Decision]:
     """One decision per report, in the same order (see the module docstring for the rule)."""
+    if p.mode == "uniform":
+        return _uniform(reports, p)
     reasons: dict[str, str] = {}
     eligible = []
     for r in reports:
@@ -163,3 +166,12 @@ def balance(reports: list[EdgeReport], p: BalancerParams) -> list[Decision]:
         decisions.append(Decision(name, True, tokens, float(p.round_deadline_s), f"{tokens} tokens; {why}",
                                   caps[name], weights[name]))
     return decisions
+
+
+def _uniform(reports: list[EdgeReport], p: BalancerParams) -> list[Decision]:
+    """The baseline without a balancer: every edge with data trains B/N tokens, load ignored."""
+    with_data = [r for r in reports if r.train_examples > 0]
+    share = p.round_token_budget // max(len(with_data), 1)
+    return [Decision(r.name, r.train_examples > 0, share if r.train_examples > 0 else 0, p.round_deadline_s,
+                     "uniform share (balancer off)" if r.train_examples > 0 else "no local training examples")
+            for r in reports]

@@ -33,6 +33,8 @@ class RobustConfig(Strict):
 class BalancerConfig(Strict):
     """The per-round workload balancer (see `collm.server.balancer`)."""
 
+    mode: Literal["slo", "uniform"] = Field("slo", description="slo: the rule in collm.server.balancer; "
+                                                 "uniform: every edge gets budget/N (a baseline)")
     target_attainment: float = Field(0.95, gt=0, le=1, description="SLO attainment an edge must keep")
     round_deadline_s: float = Field(120.0, gt=0, description="edges stop training after this long")
     round_token_budget: int = Field(20000, ge=1, description="training tokens per round, all edges together")
@@ -50,7 +52,7 @@ class ServerConfig(Strict):
     fedadam: FedAdamConfig = FedAdamConfig()
     min_nodes: int = Field(2, ge=1, description="wait for this many edges before a round starts")
     lora: LoraConfig = LoraConfig()
-    base_model_name: str = Field("collm-tiny-llama", min_length=1,
+    base_model_name: str = Field("collm-tiny", min_length=1,
                                  description="base_model_name_or_path written to adapter_config.json")
     robust: RobustConfig = RobustConfig()
     balancer: BalancerConfig = BalancerConfig()

@@ -63,6 +63,7 @@ class CollmRounds:
             round_token_budget=server_cfg.balancer.round_token_budget,
             min_edge_tokens=server_cfg.balancer.min_edge_tokens,
             spare_use=server_cfg.balancer.spare_use,
+            mode=server_cfg.balancer.mode,
         )
         self.history: dict[int, dict] = {}        # real round -> what happened (metrics.json)
         self._global: dict[str, np.ndarray] = {}  # the adapter sent out this round

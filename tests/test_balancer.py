@@ -125,3 +125,15 @@ def test_water_fill_is_the_kkt_solution():
             theta = x[free[0]] / w[free[0]]
             assert all(math.isclose(x[i] / w[i], theta, rel_tol=1e-9) for i in free)
             assert all(cap[i] <= theta * w[i] + 1e-6 for i in range(n) if i not in free)
+
+
+def test_uniform_mode_ignores_load_and_slo():
+    from collm.server.balancer import BalancerParams, EdgeReport, balance
+
+    reports = [EdgeReport("a", 5.0, 0.5, 0.0, 9.0, 100, None, 100.0),
+               EdgeReport("b", 0.0, None, 1.0, 0.0, 100, None, 100.0),
+               EdgeReport("c", 0.0, None, 1.0, 0.0, 0, None, 100.0)]
+    p = BalancerParams(0.95, 60.0, 9000, 256, 0.8, mode="uniform")
+    d = {x.name: x for x in balance(reports, p)}
+    assert d["a"].take_part and d["a"].budget_tokens == d["b"].budget_tokens == 4500
+    assert not d["c"].take_part

@@ -108,3 +108,16 @@ def test_preemption_hooks_are_removed():
     with torch.inference_mode():
         eng.lm.model(ids)
     assert all(not layer._forward_hooks for layer in eng.runner.layers)
+
+
+def test_naive_mode_trains_regardless_of_slack():
+    """The colocated-naive baseline: the same fixed costs that make CoLLM defer make it train anyway."""
+    from collm.edge_client.cost_model import FixedCosts
+
+    eng = tiny_engine(costs=FixedCosts(step_s=0.01, train_s=5.0), engine={"warmup": False},
+                      training={"co_schedule": "naive"})
+    try:
+        rep = eng.train(TrainBudget(steps=2)).result(timeout=60)
+        assert rep.steps == 2 and rep.deferrals == 0
+    finally:
+        eng.stop()
