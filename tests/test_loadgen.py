@@ -1,0 +1,34 @@
+"""The open-loop load generator against a real edge: client-side TTFT/TPOT and the SLO verdict."""
+
+from helpers import LiveEdge, tiny_config
+
+from collm.common.loadgen import Planned, poisson_schedule, replay, summarize
+
+
+def test_open_loop_replay_measures_latencies_and_goodput(tmp_path):
+    e = LiveEdge(tiny_config(state_dir=str(tmp_path)))
+    try:
+        def body(i):
+            return {"messages": [{"role": "user", "content": f"Q{i}"}], "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True}
+
+        plan = poisson_schedule(10.0, 2.0, body, seed=1, ttft_slo_s=1.0, tpot_slo_s=0.2)
+        plan.append(Planned(0.5, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                                  "temperature": 0}, ttft_slo_s=1e-6, tag="impossible"))
+        plan.append(Planned(0.6, {"prompt": "x", "max_tokens": 10**6}, path="/v1/completions", tag="rejected"))
+        out = replay(plan, e.url)
+        normal = [o for o in out if not o.tag]
+        assert normal and all(o.completed and o.output_tokens == 8 and o.slo_met for o in normal)
+        assert all(0 < o.ttft_s <= o.e2e_s and o.tpot_s > 0 for o in normal)
+        assert all(o.adapter_version == 0 for o in normal)
+        imp = next(o for o in out if o.tag == "impossible")
+        rej = next(o for o in out if o.tag == "rejected")
+        assert imp.completed and not imp.slo_met
+        assert rej.status == 400 and not rej.completed
+        s = summarize(out, 2.0)
+        assert s["requests"] == len(plan) and s["failed"] == 1 and s["slo_met"] == len(normal)
+        assert abs(s["goodput_rps"] - len(normal) / 2.0) < 1e-9
+        sent = sorted(o.sent_at for o in normal)
+        assert abs(sent[0] - plan[0].at_s) < 0.2  # sent on schedule (open loop)
+    finally:
+        e.close()
