@@ -139,6 +139,8 @@ class FederatedEdge:
         if len(arrays):
             self.rt.publish(to_state(arrays), rnd, round=rnd)  # the shadow swap: new requests get round rnd
         report = eng.evaluate(version=eng.shadow.current_version).result()
+        if report.loss is None:  # the engine stopped before evaluating anything
+            raise RuntimeError(f"edge {self.rt.cfg.name}: evaluation did not run")
         version = int(report.extra.get("version", eng.shadow.current_version))
         eng.shadow.set_eval_loss(version, report.loss)
         with self.lock:

@@ -9,6 +9,13 @@ It starts, as local processes, the same topology as the Compose lab:
 then sends requests through the router (or round-robin to the edges) while the federated rounds
 run, and prints each edge's holdout loss per round and what the requests saw. Everything it
 writes goes under `--out` (configs, logs, checkpoints, edge state).
+
+With `--tls` the Flower traffic is TLS with SuperNode authentication, as in the Compose security
+profile: it makes a CA, the SuperLink's certificate and one ECDSA key pair per edge in
+`--out`/certs (`collm.server.certs`), starts the SuperLink with `--ssl-*` and
+`--enable-supernode-auth`, registers each edge's public key over the Control API, gives each
+edge `federation: {insecure: false, root_certificates, auth_private_key}` and runs
+`collm-server --root-certificates`. Every port stays on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -32,6 +40,8 @@ import yaml
 from collm.common.config import EdgeConfig, load_config
 from collm.common.data import categories, load_records, partition_by_category
 from collm.common.errors import UserError, cli_entry
+
+from .certs import make_certs, register_nodes
 
 BASE_CONFIGS = {"tiny": "configs/edge-tiny.yaml", "bundled": "configs/edge-smollm2.yaml"}
 PROMPTS = ["What is the capital of France?", "Give me three tips for a good night's sleep.",
@@ -51,6 +61,7 @@ class Lab:
     def __init__(self, out: Path):
         self.out = out
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.superlink: str | None = None  # host:port, for the processes the SuperLink detaches
         (out / "logs").mkdir(parents=True, exist_ok=True)
 
     def spawn(self, name: str, cmd: list[str], **kw) -> subprocess.Popen:
@@ -80,10 +91,43 @@ class Lab:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(5)
+        if self.superlink:
+            _end_stragglers(self.superlink, time.time() + 15)
 
 
-def edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: str | None) -> list[dict]:
-    """One config per edge: own name, ports, Dolly categories (non-IID) and state dir."""
+def _end_stragglers(address: str, deadline: float) -> None:
+    """The SuperLink's SuperExec and a running ServerApp live in sessions of their own and end
+    a few seconds after the SuperLink (they watch their parent): wait for them, then SIGKILL."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return
+
+    def mentioning() -> list[int]:
+        pids = []
+        for cmdline in proc.glob("[0-9]*/cmdline"):
+            try:
+                if address.encode() in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
+                    if (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                        pids.append(int(cmdline.parent.name))
+            except (OSError, IndexError):
+                continue
+        return pids
+
+    while (left := mentioning()) and time.time() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: str | None,
+                 certs: dict[str, Path] | None = None) -> list[dict]:
+    """One config per edge: own name, ports, Dolly categories (non-IID) and state dir.
+
+    With `certs` (from `make_certs`), each edge talks TLS to the SuperLink and signs in with its
+    own key, `certs[name]`."""
     base = yaml.safe_load(Path(BASE_CONFIGS[model]).read_text())
     parts = partition_by_category(load_records(), n)
     configs = []
@@ -93,6 +137,9 @@ def edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: str |
         cfg.setdefault("api", {}).update({"host": "127.0.0.1", "port": free_port(), "admin": True})
         cfg["data"] = {**cfg.get("data", {}), "categories": categories(part)}
         cfg["federation"] = {"enabled": True, "superlink": superlink, "runtime_port": free_port()}
+        if certs:
+            cfg["federation"].update({"insecure": False, "root_certificates": str(certs["ca"]),
+                                      "auth_private_key": str(certs[cfg["name"]])})
         cfg["state_dir"] = str(out / "state" / f"edge{i}")
         if cache_dir:
             cfg["model"]["cache_dir"] = cache_dir
@@ -102,12 +149,14 @@ def edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: str |
     return configs
 
 
-def wait_http(url: str, lab: Lab, timeout: float, what: str) -> None:
+def wait_http(url: str, lab: Lab, timeout: float, what: str, ca: Path | None = None) -> None:
+    """Wait until `url` answers 200 (`ca`: verify an https server with this CA file)."""
+    verify = ssl.create_default_context(cafile=str(ca)) if ca else True
     deadline = time.time() + timeout
     while time.time() < deadline:
         lab.check_alive()
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2, verify=verify).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -171,12 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send the load through collm-router (default) or straight to the edges")
     p.add_argument("--out", default="runs/lab")
     p.add_argument("--cache-dir", help="model cache (default: the edge config's)")
+    p.add_argument("--tls", action="store_true", help="TLS to the SuperLink and SuperNode authentication: "
+                   "certificates and edge keys in OUT/certs, each edge's key registered before it starts")
     return p
 
 
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # stop the lab's processes on SIGTERM too, not only on ^C
     out = Path(args.out).resolve()
     if out.exists():
         shutil.rmtree(out)
@@ -194,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         server_cfg["round_timeout_s"] = max(server_cfg.get("round_timeout_s", 0), 3 * args.round_deadline + 120)
     if args.round_tokens:
         server_cfg["balancer"]["round_token_budget"] = args.round_tokens
-    edges = edge_configs(args.model, args.edges, superlink, out, args.cache_dir)
+    certs = make_certs(out / "certs", [f"edge{i}" for i in range(args.edges)]) if args.tls else None
+    edges = edge_configs(args.model, args.edges, superlink, out, args.cache_dir, certs)
     server_cfg["base_model_name"] = "smollm2-135m-instruct" if args.model == "bundled" else "collm-tiny"
     server_cfg["lora"] = {k: v for k, v in edges[0].get("lora", {}).items()}
     (out / "server.yaml").write_text(yaml.safe_dump(server_cfg))
@@ -204,11 +258,22 @@ def main(argv: list[str] | None = None) -> int:
         load_config(EdgeConfig, path)  # fail here, on one line, rather than in a child process
 
     lab = Lab(out)
+    lab.superlink = superlink
     t_start = time.time()
     try:
         print(f"[lab] SuperLink on {superlink}; logs in {out / 'logs'}", flush=True)
-        lab.spawn("superlink", [str(bin_dir / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port",
+        tls = ["--insecure"]
+        if certs:
+            tls = ["--ssl-ca-certfile", str(certs["ca"]), "--ssl-certfile", str(certs["superlink_cert"]),
+                   "--ssl-keyfile", str(certs["superlink_key"]), "--enable-supernode-auth"]
+        lab.spawn("superlink", [str(bin_dir / "flower-superlink"), *tls, "--host", "127.0.0.1", "--port",
                                 superlink.split(":")[1], "--disable-runtime-dependency-installation"])
+        if certs:
+            wait_http(f"https://{superlink}/health", lab, 60, "flower-superlink (TLS)", ca=certs["ca"])
+            pubs = [f"{certs[cfg['name']]}.pub" for cfg in edges]
+            for name, (node_id, _) in register_nodes(superlink, certs["ca"], pubs, wait_s=10).items():
+                print(f"[lab] TLS + SuperNode auth: {name} registered as node {node_id} "
+                      f"(key {certs[name]})", flush=True)
         for cfg in edges:
             lab.spawn(cfg["name"], [str(bin_dir / "collm-edge"), "--config", str(out / f"{cfg['name']}.yaml")])
         urls = [f"http://127.0.0.1:{cfg['api']['port']}" for cfg in edges]
@@ -232,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             load.thread.start()
         print(f"[lab] all up in {time.time() - t_start:.0f} s; running {args.rounds} rounds"
               + (f" under {args.load:g} req/s" if load else ""), flush=True)
-        server = lab.spawn("server", [str(bin_dir / "collm-server"), "--insecure", "--superlink", superlink,
+        server_tls = ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
+        server = lab.spawn("server", [str(bin_dir / "collm-server"), *server_tls, "--superlink", superlink,
                                       "-c", f'config="{out / "server.yaml"}"'])
         _follow(out / "logs" / "server.log", server, lab)
         if load:
@@ -252,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         print("[lab] stopping", flush=True)
         lab.stop()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _follow(path: Path, proc: subprocess.Popen, lab: Lab) -> None:

@@ -1,0 +1,553 @@
+"""`collm-router`: one OpenAI-compatible front for several `collm-edge` replicas, routing by SLO slack.
+
+    request -> router: estimate TTFT/TPOT on every healthy edge -> the edge with the most slack
+            -> edge scheduler -> model + pinned adapter -> response, streamed back chunk by chunk
+
+The rule is in `router_policy` (its docstring has the formula); what the router knows about each
+edge (health, last /metrics scrape, its own in-flight counts) is in `router_state`.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (bodies go to the edge unchanged, streams
+are relayed as they arrive), GET /v1/models (from one healthy edge), GET /health (503 when no edge
+is healthy), GET /metrics (Prometheus, names below).
+
+Failures:
+* an edge that cannot be reached, answers 5xx, or breaks off before the router has sent the client
+  a byte: the request is retried once on another edge (streams: the router holds the response
+  until the edge's first chunk, so a failure before it can still be retried);
+* 429 (the edge's queue is full) is retried once on another edge too (`routing.retry_429`): it is a
+  statement about that edge's load, not about the request. Other 4xx are the client's mistake and
+  pass through unchanged, as does the last edge's answer when the retry fails as well;
+* a stream that breaks after the client got bytes ends with an SSE error event,
+  `data: {"error": {...}}` then `data: [DONE]`;
+* no healthy edge (or none left to retry on after a connection failure): 503 with an OpenAI-style
+  error body and `Retry-After`.
+
+Every response carries the edge's X-CoLLM-Adapter-Version and X-CoLLM-Edge (added from the router's
+config when the edge did not send it) and X-CoLLM-Router-Attempts (1, or 2 after a retry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .router_config import RouterConfig
+from .router_policy import Assumptions, Decision, Estimate, RequestView, choose, estimate
+from .router_state import EdgeState, scrape_from_metrics
+
+log = logging.getLogger("collm.router")
+
+VERSION_HEADER = "X-CoLLM-Adapter-Version"
+EDGE_HEADER = "X-CoLLM-Edge"
+ATTEMPTS_HEADER = "X-CoLLM-Router-Attempts"
+PASSED_HEADERS = ("content-type", "x-collm-adapter-version", "x-collm-edge", "retry-after", "cache-control")
+FORWARDED_HEADERS = ("content-type", "accept", "authorization")
+
+# Prometheus names the router exports
+ROUTED = "collm_router_routed_total"
+RESPONSES = "collm_router_responses_total"
+RETRIES = "collm_router_retries_total"
+FAILURES = "collm_router_edge_failures_total"
+NO_EDGE = "collm_router_no_healthy_edge_total"
+TTFT_ESTIMATED = "collm_router_ttft_estimated_seconds"
+TTFT_OBSERVED = "collm_router_ttft_observed_seconds"
+EDGE_HEALTHY = "collm_router_edge_healthy"
+EDGE_OUTSTANDING = "collm_router_edge_outstanding"
+EDGE_SLACK = "collm_router_edge_last_slack"
+HEALTHY_EDGES = "collm_router_healthy_edges"
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _describe(e: Exception) -> str:
+    text = str(e) or type(e).__name__
+    return f"{type(e).__name__}: {text}" if text != type(e).__name__ else text
+
+
+# ============================================================================ what a request asks for
+def request_view(body: object, chat: bool, cfg: RouterConfig, typical_output: float) -> tuple[RequestView, bool]:
+    """(the rule's view of the request, whether it asks for a stream); never raises on odd bodies."""
+    if not isinstance(body, dict):
+        return RequestView(1, int(typical_output)), False
+    r = cfg.routing
+    if chat:
+        msgs = body.get("messages") if isinstance(body.get("messages"), list) else []
+        chars, extra = 0, 0
+        for m in msgs:
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, list):
+                c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+            chars += len(c.encode()) if isinstance(c, str) else 0
+            extra += 8  # role markers of the chat template
+        prompt_tokens = math.ceil(chars / r.chars_per_token) + extra
+    else:
+        p = body.get("prompt")
+        p = p[0] if isinstance(p, list) and p and isinstance(p[0], str) else p
+        prompt_tokens = math.ceil(len(p.encode()) / r.chars_per_token) if isinstance(p, str) else 1
+    m = body.get("max_tokens") or body.get("max_completion_tokens")
+    max_tokens = m if isinstance(m, int) and m > 0 else int(typical_output)
+    slo = body.get("slo") if isinstance(body.get("slo"), dict) else {}
+
+    def target(key: str) -> float | None:
+        v = slo.get(key)
+        return v / 1000 if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+    view = RequestView(max(1, prompt_tokens), max_tokens, target("ttft_ms"), target("tpot_ms"))
+    return view, body.get("stream") is True
+
+
+class _SSEWatch:
+    """Reads the events of a relayed stream on the side: first-token time, token count, boundaries."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+        self.buf = b""
+        self.first_token_s: float | None = None
+        self.completion_tokens: int | None = None
+        self.at_boundary = True
+
+    def feed(self, chunk: bytes) -> None:
+        self.at_boundary = chunk.endswith(b"\n\n")
+        self.buf += chunk
+        while b"\n\n" in self.buf:
+            ev, self.buf = self.buf.split(b"\n\n", 1)
+            if not ev.startswith(b"data: ") or ev == b"data: [DONE]":
+                continue
+            if self.first_token_s is None or b'"usage"' in ev:
+                self._parse(ev[6:])
+
+    def _parse(self, payload: bytes) -> None:
+        try:
+            obj = json.loads(payload)
+            choice = (obj.get("choices") or [{}])[0]
+        except (ValueError, AttributeError, TypeError):
+            return
+        if self.first_token_s is None and (choice.get("text") or (choice.get("delta") or {}).get("content")
+                                           or choice.get("finish_reason")):
+            self.first_token_s = time.perf_counter() - self.t0
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.completion_tokens = usage["completion_tokens"]
+
+
+# ============================================================================ metrics
+class RouterMetrics:
+    def __init__(self, router: Router):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.routed = Counter(ROUTED, "Requests sent to each edge (a retry counts again)", ["edge"], registry=r)
+        self.responses = Counter(RESPONSES, "Responses relayed, by edge and outcome", ["edge", "outcome"], registry=r)
+        self.retries = Counter(RETRIES, "Requests retried on another edge, by reason", ["reason"], registry=r)
+        self.failures = Counter(FAILURES, "Edge failures seen by the router", ["edge", "kind"], registry=r)
+        self.no_edge = Counter(NO_EDGE, "Requests answered 503 because no edge was healthy", registry=r)
+        self.ttft_est = Histogram(TTFT_ESTIMATED, "TTFT the rule estimated for the chosen edge (s)", ["edge"],
+                                  registry=r, buckets=BUCKETS)
+        self.ttft_obs = Histogram(TTFT_OBSERVED, "TTFT observed: router to first token event for streams, the "
+                                                 "edge's own ttft_s otherwise (s)", ["edge"], registry=r,
+                                  buckets=BUCKETS)
+        r.register(_EdgeGauges(router))
+        for e in router.edges:  # every edge shows up from the start, at zero
+            self.routed.labels(e.name)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EdgeGauges:
+    def __init__(self, router: Router):
+        self.router = router
+
+    def collect(self):
+        healthy = GaugeMetricFamily(EDGE_HEALTHY, "1 while the edge is routed to", labels=["edge"])
+        outstanding = GaugeMetricFamily(EDGE_OUTSTANDING, "Requests in flight from this router", labels=["edge"])
+        slack = GaugeMetricFamily(EDGE_SLACK, "Normalised SLO slack estimated at the last pick", labels=["edge"])
+        for e in self.router.edges:
+            healthy.add_metric([e.name], float(e.healthy))
+            outstanding.add_metric([e.name], float(e.outstanding))
+            slack.add_metric([e.name], float("nan") if e.last_slack is None else e.last_slack)
+        total = GaugeMetricFamily(HEALTHY_EDGES, "Edges being routed to")
+        total.add_metric([], float(sum(e.healthy for e in self.router.edges)))
+        yield from (healthy, outstanding, slack, total)
+
+
+# ============================================================================ the router
+class _Failed(Exception):
+    """An attempt that failed before the client got a byte (may be retried)."""
+
+    def __init__(self, reason: str, why: str, response: Response | None = None):
+        super().__init__(why)
+        self.reason, self.why, self.response = reason, why, response
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None):
+        self.cfg = cfg
+        self.edges = [EdgeState(e) for e in cfg.edges]
+        self.rng = random.Random(cfg.routing.seed)
+        self.counter = 0
+        self.typical_output = float(cfg.routing.typical_output_tokens)
+        self.metrics = RouterMetrics(self)
+        self._transport = transport
+        self.client: httpx.AsyncClient | None = None
+        self.poll_client: httpx.AsyncClient | None = None
+        self._pollers: list[asyncio.Task] = []
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        p = self.cfg.proxy
+        # keep idle connections to an edge shorter than the edge server keeps them (uvicorn: 5 s), so a
+        # request never goes out on a connection the edge is closing at that moment
+        limits = httpx.Limits(max_connections=p.max_connections, max_keepalive_connections=p.max_connections,
+                              keepalive_expiry=p.keepalive_s)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=p.connect_timeout_s, read=p.read_timeout_s, write=30.0, pool=None),
+            limits=limits, transport=self._transport)
+        self.poll_client = httpx.AsyncClient(timeout=self.cfg.health.timeout_s, transport=self._transport)
+        await self.poll_all()  # route from the first request on
+        self._pollers = [asyncio.create_task(self._poll_loop(e), name=f"collm-router-poll-{e.name}")
+                         for e in self.edges]
+        log.info("router %s: %d edges, policy %s, %d healthy now", self.cfg.name, len(self.edges),
+                 self.cfg.routing.policy, sum(e.healthy for e in self.edges))
+
+    async def stop(self) -> None:
+        for task in self._pollers:
+            task.cancel()
+        for task in self._pollers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for c in (self.client, self.poll_client):
+            if c is not None:
+                await c.aclose()
+
+    # ---------------------------------------------------------------- edge state
+    async def _poll_loop(self, edge: EdgeState) -> None:
+        """Each edge on its own clock, so one that hangs does not delay what we learn about the others."""
+        while True:
+            await asyncio.sleep(self.cfg.health.interval_s)
+            try:
+                await self.poll(edge)
+            except Exception:  # noqa: BLE001 - the poller must outlive any one bad answer
+                log.exception("polling edge %s failed", edge.name)
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self.poll(e) for e in self.edges))
+
+    async def poll(self, edge: EdgeState) -> None:
+        """One health check (and metrics scrape) of one edge."""
+        h = self.cfg.health
+        at, outstanding_at = time.monotonic(), edge.outstanding
+        try:
+            health, metrics = await asyncio.gather(self.poll_client.get(edge.url + "/health"),
+                                                   self.poll_client.get(edge.url + "/metrics"))
+        except httpx.TimeoutException as e:
+            edge.poll_timed_out(h, _describe(e))
+            self.metrics.failures.labels(edge.name, "poll_timeout").inc()
+            return
+        except httpx.HTTPError as e:
+            edge.check_failed(h, _describe(e))
+            self.metrics.failures.labels(edge.name, "poll").inc()
+            return
+        body: dict = {}
+        with contextlib.suppress(ValueError):
+            body = health.json()
+        status = body.get("status") if isinstance(body, dict) else None
+        if health.status_code != 200 or status != "ready":
+            edge.check_failed(h, f"/health answered {health.status_code} ({status or 'no status'})")
+            return
+        if metrics.status_code == 200:
+            try:
+                edge.scrape = scrape_from_metrics(metrics.text, at, outstanding_at)
+            except KeyError as e:
+                log.warning("edge %s: /metrics lacks %s; routing on the router's own counts", edge.name, e)
+        edge.poll_ok(h, body)
+
+    def healthy_count(self) -> int:
+        return sum(e.healthy for e in self.edges)
+
+    def assumptions(self) -> Assumptions:
+        r = self.cfg.routing
+        return Assumptions(r.step_token_budget, r.edge_slo_safety, self.typical_output, r.tie_margin, r.comfort,
+                           r.probe_after_s)
+
+    def pick(self, x: RequestView, exclude: list[str]) -> tuple[EdgeState, Decision, Estimate] | None:
+        """The edge for request x among the healthy ones not tried yet (cooling-down ones last)."""
+        now = time.monotonic()
+        healthy = [e for e in self.edges if e.healthy and e.name not in exclude]
+        if not healthy:
+            return None
+        pool = [e for e in healthy if not e.cooling(now)] or healthy
+        views = {e.name: e.view(self.cfg.routing, self.cfg.health.stale_after_s, now) for e in pool}
+        a = self.assumptions()
+        d = choose(self.cfg.routing.policy, list(views.values()), x, self.rng, self.counter, a)
+        self.counter += 1
+        est = d.estimate or estimate(views[d.edge], x, a)
+        edge = next(e for e in pool if e.name == d.edge)
+        edge.last_slack = est.slack
+        log.debug("route to %s (%s): est TTFT %.0f ms, TPOT %.1f ms, slack %.2f", edge.name, d.why,
+                  1000 * est.ttft_s, 1000 * est.tpot_s, est.slack)
+        return edge, d, est
+
+    def _learn_output(self, tokens: int | None) -> None:
+        if tokens:
+            self.typical_output = 0.9 * self.typical_output + 0.1 * tokens
+
+    # ---------------------------------------------------------------- forwarding
+    async def forward(self, request: Request, path: str, method: str = "POST", chat: bool = False) -> Response:
+        raw = await request.body() if method == "POST" else b""
+        body = None
+        if raw:
+            with contextlib.suppress(ValueError):
+                body = json.loads(raw)
+        x, stream = request_view(body, chat, self.cfg, self.typical_output)
+        headers = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
+        tried: list[str] = []
+        failed: list[_Failed] = []
+        for attempt in (1, 2):
+            picked = self.pick(x, exclude=tried)
+            if picked is None:
+                break
+            edge, _, est = picked
+            tried.append(edge.name)
+            if attempt == 2:
+                self.metrics.retries.labels(failed[-1].reason).inc()
+                log.warning("retrying on edge %s after edge %s failed: %s", edge.name, tried[0], failed[-1].why)
+            try:
+                return await self._attempt(edge, est, method, path, raw, headers, stream, attempt, request)
+            except _Failed as f:
+                failed.append(f)
+        last_answer = next((f.response for f in reversed(failed) if f.response is not None), None)
+        if last_answer is not None:  # an edge answered (5xx or 429) and no retry could do better
+            return last_answer
+        self.metrics.no_edge.inc()
+        if failed:
+            msg = "no healthy edge could take the request: " + "; ".join(
+                f"{n}: {f.why}" for n, f in zip(tried, failed, strict=False))
+        else:
+            down = ", ".join(f"{e.name} ({e.last_error or 'not ready'})" for e in self.edges)
+            msg = f"no healthy edge: all {len(self.edges)} edges are out of service: {down}"
+        return JSONResponse(error_body(msg, "service_unavailable", "no_healthy_edge"), status_code=503,
+                            headers={"Retry-After": str(max(1, math.ceil(self.cfg.health.interval_s)))})
+
+    async def _attempt(self, edge: EdgeState, est: Estimate, method: str, path: str, raw: bytes, headers: dict,
+                       stream: bool, attempt: int, request: Request) -> Response:
+        """One try on one edge; raises _Failed when the client has had nothing yet and a retry may help."""
+        self.metrics.routed.labels(edge.name).inc()
+        edge.outstanding += 1
+        edge.last_sent = time.monotonic()
+        closed = False
+        up: httpx.Response | None = None
+
+        async def close() -> None:  # idempotent: the relay and the response's background both call it
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            edge.outstanding -= 1
+            if up is not None:
+                with anyio.CancelScope(shield=True):
+                    await up.aclose()
+
+        handed_off = False
+        t0 = time.perf_counter()
+        try:
+            try:
+                up = await self.client.send(self.client.build_request(method, edge.url + path, content=raw,
+                                                                      headers=headers), stream=True)
+            except httpx.HTTPError as e:
+                self._transport_failure(edge, e)
+                raise _Failed("connect" if isinstance(e, httpx.ConnectError) else "read", _describe(e)) from None
+            edge.last_progress = time.monotonic()
+            out_headers = self._headers(up, edge, attempt)
+            status = up.status_code
+            if status >= 500 or (status == 429 and self.cfg.routing.retry_429):
+                content = await self._read_quietly(up)
+                self.metrics.failures.labels(edge.name, f"http_{status}").inc()
+                self.metrics.responses.labels(edge.name, f"{status // 100}xx").inc()
+                if status in (429, 503):
+                    edge.cool_down(self.cfg.health.cooldown_s, f"answered {status}")
+                raise _Failed(str(status), f"answered {status}", Response(content, status, out_headers))
+            if status >= 400:
+                content = await up.aread()
+                self.metrics.responses.labels(edge.name, "4xx").inc()
+                return Response(content, status, out_headers)
+            if stream and up.headers.get("content-type", "").startswith("text/event-stream"):
+                chunks = up.aiter_raw()
+                try:  # hold the response until the first chunk: a failure before it is retried
+                    first = await chunks.__anext__()
+                except (httpx.HTTPError, StopAsyncIteration) as e:
+                    self._transport_failure(edge, e)
+                    raise _Failed("read", _describe(e)) from None
+                handed_off = True
+                return StreamingResponse(self._relay(edge, est, chunks, first, t0, close), status_code=status,
+                                         headers=out_headers, media_type="text/event-stream",
+                                         background=BackgroundTask(close))
+            try:
+                content = await self._read_unless_gone(up, request)
+            except _ClientGone:  # nobody to answer; closing the connection cancels the edge's work
+                self.metrics.responses.labels(edge.name, "client_gone").inc()
+                return Response(b"", 499)
+            except httpx.HTTPError as e:
+                self._transport_failure(edge, e)
+                raise _Failed("read", _describe(e)) from None
+            self._observe_json(edge, est, content)
+            self.metrics.responses.labels(edge.name, "2xx").inc()
+            return Response(content, status, out_headers)
+        finally:
+            if not handed_off:
+                await close()
+
+    def _transport_failure(self, edge: EdgeState, e: BaseException) -> None:
+        if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+            edge.connect_failed(_describe(e))
+            kind = "connect"
+        else:
+            kind = "read"
+        self.metrics.failures.labels(edge.name, kind).inc()
+        log.warning("edge %s failed before the first byte: %s", edge.name, _describe(e))
+
+    @staticmethod
+    async def _read_quietly(up: httpx.Response) -> bytes:
+        try:
+            return await up.aread()
+        except httpx.HTTPError:
+            return b""
+
+    @staticmethod
+    async def _read_unless_gone(up: httpx.Response, request: Request) -> bytes:
+        """The whole body; gives up (cancelling the edge's work) if the client disconnects meanwhile."""
+        task = asyncio.ensure_future(up.aread())
+        try:
+            while True:
+                finished, _ = await asyncio.wait({task}, timeout=0.5)
+                if finished:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise _ClientGone
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    def _headers(self, up: httpx.Response, edge: EdgeState, attempt: int) -> dict:
+        out = {k: up.headers[k] for k in PASSED_HEADERS if k in up.headers}
+        out.setdefault("x-collm-edge", edge.name)
+        out[ATTEMPTS_HEADER] = str(attempt)
+        return out
+
+    def _observe_json(self, edge: EdgeState, est: Estimate, content: bytes) -> None:
+        try:
+            body = json.loads(content)
+            ttft = body.get("collm", {}).get("ttft_s")
+            tokens = body.get("usage", {}).get("completion_tokens")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(ttft, (int, float)):
+            self.metrics.ttft_est.labels(edge.name).observe(est.ttft_s)
+            self.metrics.ttft_obs.labels(edge.name).observe(ttft)
+        self._learn_output(tokens if isinstance(tokens, int) else None)
+
+    async def _relay(self, edge: EdgeState, est: Estimate, chunks: AsyncIterator[bytes], first: bytes, t0: float,
+                     close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+        """Pass the edge's stream through as it arrives; a break becomes an SSE error event."""
+        watch = _SSEWatch(t0)
+        outcome = "stream_cancelled"
+        try:
+            watch.feed(first)
+            yield first
+            try:
+                async for chunk in chunks:
+                    edge.last_progress = time.monotonic()
+                    watch.feed(chunk)
+                    yield chunk
+                outcome = "2xx"
+            except httpx.HTTPError as e:
+                outcome = "stream_error"
+                self.metrics.failures.labels(edge.name, "mid_stream").inc()
+                edge.check_failed(self.cfg.health, f"stream broke: {_describe(e)}")
+                log.warning("edge %s broke a stream after it started (%s): ending it with an error event",
+                            edge.name, _describe(e))
+                err = error_body(f"edge {edge.name} failed mid-stream ({_describe(e)}); the response is incomplete",
+                                 "server_error", "edge_stream_failed")
+                yield (b"" if watch.at_boundary else b"\n\n") + b"data: " + json.dumps(err).encode() + \
+                    b"\n\ndata: [DONE]\n\n"
+        finally:
+            self.metrics.responses.labels(edge.name, outcome).inc()
+            if outcome == "2xx":
+                if watch.first_token_s is not None:
+                    self.metrics.ttft_est.labels(edge.name).observe(est.ttft_s)
+                    self.metrics.ttft_obs.labels(edge.name).observe(watch.first_token_s)
+                self._learn_output(watch.completion_tokens)
+            await close()
+
+    # ---------------------------------------------------------------- views
+    def health_body(self) -> dict:
+        n = self.healthy_count()
+        return {"status": "ok" if n else "unavailable", "router": self.cfg.name, "policy": self.cfg.routing.policy,
+                "healthy_edges": n, "edges": [e.describe() for e in self.edges]}
+
+
+# ============================================================================ the app
+def create_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    router = Router(cfg, transport)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="collm-router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health():
+        body = router.health_body()
+        return JSONResponse(body, status_code=200 if body["healthy_edges"] else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await router.forward(request, "/v1/models", method="GET")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await router.forward(request, "/v1/chat/completions", chat=True)
+
+    return app

@@ -1,0 +1,102 @@
+"""Configuration of `collm-router` (`configs/router.yaml`).
+
+Unknown keys are errors and every mistake is reported on one line that names the field
+(see `collm.common.config.load_config`), e.g.
+
+    configs/router.yaml: routing.policy: expected 'slo', 'round_robin' or 'least_outstanding', got 'fastest'
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from collm.common.config import Strict
+
+
+class EdgeEndpoint(Strict):
+    """One `collm-edge` replica the router sends requests to."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="label in metrics and logs; X-CoLLM-Edge if the "
+                                                                "edge does not send one")
+    url: str = Field(description="base URL of the edge's HTTP API, e.g. http://127.0.0.1:8081")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")) or len(v.split("://", 1)[1].strip("/")) == 0:
+            raise ValueError("expected an http:// or https:// URL such as http://127.0.0.1:8081")
+        return v.rstrip("/")
+
+
+class RouterApiConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8090, ge=0, le=65535)
+    shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: let in-flight requests finish")
+    keepalive_s: float = Field(65.0, gt=0, description="keep an idle client connection open this long (longer "
+                                                       "than clients keep theirs)")
+
+
+class HealthConfig(Strict):
+    """How the router learns each edge's state: /health and /metrics, polled."""
+
+    interval_s: float = Field(0.5, gt=0, description="poll every edge's /health and /metrics this often")
+    timeout_s: float = Field(2.0, gt=0, description="a poll slower than this counts as a failure (unless the "
+                                                    "edge is streaming to the router meanwhile)")
+    unhealthy_after: int = Field(2, ge=1, description="consecutive failed polls that take an edge out")
+    healthy_after: int = Field(1, ge=1, description="consecutive good polls that put it back")
+    stale_after_s: float = Field(5.0, gt=0, description="metrics older than this are ignored (router counts only)")
+    cooldown_s: float = Field(1.0, ge=0, description="after a 503 or 429 from an edge, prefer other edges this long")
+
+
+class RoutingConfig(Strict):
+    """The routing rule (`collm.server.router_policy`) and what it assumes about the edges."""
+
+    policy: Literal["slo", "round_robin", "least_outstanding"] = "slo"
+    tie_margin: float = Field(0.05, ge=0, le=1, description="edges within this normalised slack of the best are "
+                                                             "near-ties, broken by power of two choices")
+    comfort: float = Field(0.5, ge=0, le=1, description="edges whose slack is at least this are all near-ties "
+                                                        "(the SLOs are met with room to spare)")
+    probe_after_s: float = Field(5.0, gt=0, description="an idle edge left out this long gets the next request "
+                                                         "(refreshes a stale cost estimate)")
+    retry_429: bool = Field(True, description="retry a 429 (edge queue full) once on another edge")
+    chars_per_token: float = Field(4.0, gt=0, description="prompt size estimate: characters per token")
+    typical_output_tokens: int = Field(64, ge=1, description="prior of the output length of running requests "
+                                                             "(then a moving average of what the edges returned)")
+    step_token_budget: int = Field(256, ge=2, description="the edges' engine.step_token_budget (not exported)")
+    edge_slo_safety: float = Field(0.8, gt=0, le=1, description="the edges' slo.safety (not exported)")
+    default_max_running: int = Field(16, ge=1, description="assumed until an edge's metrics are read")
+    default_ttft_ms: float = Field(2000.0, gt=0, description="TTFT target assumed until an edge's metrics are read")
+    default_tpot_ms: float = Field(200.0, gt=0, description="TPOT target assumed until an edge's metrics are read")
+    seed: int | None = Field(None, description="seed of the tie-breaking sampler (None: random)")
+
+
+class ProxyConfig(Strict):
+    connect_timeout_s: float = Field(2.0, gt=0, description="give up connecting to an edge after this long")
+    read_timeout_s: float = Field(600.0, gt=0, description="longest silence from an edge inside one response")
+    max_connections: int = Field(1000, ge=1, description="open connections to all edges together")
+    keepalive_s: float = Field(2.0, ge=0, description="close a connection to an edge idle this long (keep it "
+                                                      "below the edges' keep-alive timeout, 5 s)")
+
+
+class RouterConfig(Strict):
+    """Configuration of one `collm-router` process."""
+
+    name: str = Field("router", pattern=r"^[A-Za-z0-9_.-]+$")
+    edges: list[EdgeEndpoint] = Field(min_length=1)
+    api: RouterApiConfig = RouterApiConfig()
+    health: HealthConfig = HealthConfig()
+    routing: RoutingConfig = RoutingConfig()
+    proxy: ProxyConfig = ProxyConfig()
+
+    @model_validator(mode="after")
+    def _unique_edges(self) -> RouterConfig:
+        for key in ("name", "url"):
+            seen: set[str] = set()
+            for e in self.edges:
+                v = getattr(e, key)
+                if v in seen:
+                    raise ValueError(f"edges: two edges have the {key} {v!r}; each edge needs its own")
+                seen.add(v)
+        return self

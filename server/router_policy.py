@@ -1,0 +1,203 @@
+"""Which edge should serve a request? The router's rule, as pure functions over plain data.
+
+`slo` policy. For a request x with prompt p tokens and output budget m tokens, and its targets
+T (TTFT) and P (TPOT) -- the request's own `slo` override if it has one, else the edge's default
+targets (`collm_slo_ttft_seconds`, `collm_slo_tpot_seconds`) -- estimate on every healthy edge e:
+
+    n   = max(o, q + r + o - o_s)            requests on e: scraped queue q and running r, plus what
+                                             this router sent since the scrape (o in flight now,
+                                             o_s in flight when the scrape was sent)
+    k   = min(n, M),  w = n - k              running and waiting after the correction (M = max running)
+    ctx = p + m/2                            KV tokens per running sequence (x's shape as the typical one)
+    t_dec(d) = c0 + c1*d + c3*d*ctx/1000     one decode step with d sequences, from the edge's online
+                                             step-cost model c = collm_step_cost_seconds{term=...}
+    f   = min(p, B - k)                      prefill tokens of x in one step (B: step token budget)
+    t_pf = c0 + c1*k + c2*f + c3*(k*ctx + f)/1000       one step that prefills a chunk of x
+    g   = 1 + b / max(1 - sigma, 0.05)  if training is active, else 1
+                                             stretch of serving by co-scheduled training: wall seconds
+                                             per serving second (b: training busy fraction,
+                                             sigma: spare capacity, both over the edge's window)
+    wait = (w + 1) * max(L * t_dec(M) * g / M, 1 / lam)   if n >= M, else 0
+                                             x waits for w + 1 departures; by the cost model one comes
+                                             every L*t_dec(M)*g/M seconds (L: typical output length of
+                                             running requests), by the edge's own finished-request
+                                             rate lam (collm_request_rate_rps, if > 0) every 1/lam:
+                                             whichever is slower
+    TTFT^ = wait + t_pf + (ceil(p / (B - k)) - 1) * t_pf * g
+                                             an arrival preempts training, so only later chunks stretch
+    TPOT^ = min(t_dec(k+1) * g, max(t_dec(k+1), s*P))
+                                             the co-scheduler never lets training push TPOT past s*P
+                                             (s: the edges' slo.safety)
+
+    slack_e = min((T - TTFT^) / T, (P - TPOT^) / P)
+
+    best  = max_e slack_e
+    near  = {e : slack_e >= min(best - tie_margin, comfort)}
+    choose  the edge of `near` with the most slack if it is alone; otherwise sample two edges of `near`
+            at random and take the one with fewer requests in flight from this router (then smaller
+            n, then the first sampled): power of two choices.
+
+    probe   before all that: an edge that is idle (n = 0) and has had nothing from this router for
+            probe_after_s seconds, while not in `near`, gets x (the longest-idle one first).
+
+Slack above `comfort` (default 0.5: at most half of each target used) counts as good as any: all
+such edges meet the SLOs with room to spare, and spreading load over them keeps it that way. Below
+it, the rule is strict: only edges within `tie_margin` of the best. The probe keeps an edge from
+being starved by a stale estimate: its cost model only learns from the steps it runs, so an edge
+whose coefficients were fit while it was overloaded would otherwise look slow forever once idle
+(seen in benchmarks/bench_router.py). An idle edge serves a probe at its bare step cost.
+
+Baselines (the same interface): `round_robin` cycles through the healthy edges; `least_outstanding`
+takes the edge with the fewest requests in flight from this router (random among equals).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+POLICIES = ("slo", "round_robin", "least_outstanding")
+
+
+@dataclass(frozen=True)
+class EdgeView:
+    """What the rule knows about one edge: its last scrape (or defaults) and the router's own counts."""
+
+    name: str
+    outstanding: int  # o: requests this router has in flight there now
+    outstanding_at_scrape: int = 0  # o_s: ... when the last scrape used here was sent
+    queue_depth: float | None = None  # q (None: no fresh scrape; then only o counts)
+    running: float | None = None  # r
+    max_running: float = 16  # M
+    step_coef: tuple[float, float, float, float] = (0.01, 0.01, 0.002, 0.001)  # c0..c3
+    ttft_target_s: float = 2.0
+    tpot_target_s: float = 0.2
+    training_active: bool = False
+    training_busy: float = 0.0  # b
+    spare_capacity: float = 1.0  # sigma
+    finish_rate: float = 0.0  # lam: finished requests per second over the edge's window
+    unused_s: float = 0.0  # seconds since this router last sent the edge a request
+
+
+@dataclass(frozen=True)
+class RequestView:
+    prompt_tokens: int  # p (estimated by the router)
+    max_tokens: int  # m
+    ttft_target_s: float | None = None  # the request's `slo` override, if any
+    tpot_target_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the rule assumes about the edges that they do not export."""
+
+    step_token_budget: int = 256  # B
+    slo_safety: float = 0.8  # s
+    typical_output_tokens: float = 64.0  # L
+    tie_margin: float = 0.05
+    comfort: float = 0.5
+    probe_after_s: float = float("inf")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    edge: str
+    load: float  # n
+    ttft_s: float
+    tpot_s: float
+    ttft_target_s: float
+    tpot_target_s: float
+
+    @property
+    def slack(self) -> float:
+        return min((self.ttft_target_s - self.ttft_s) / self.ttft_target_s,
+                   (self.tpot_target_s - self.tpot_s) / self.tpot_target_s)
+
+
+@dataclass(frozen=True)
+class Decision:
+    edge: str
+    estimate: Estimate | None  # None for the baselines
+    why: str  # "best" | "p2c among N" | "round_robin" | "least_outstanding" ...
+
+
+def edge_load(e: EdgeView) -> float:
+    """n: requests on the edge, the scrape corrected by what this router sent since."""
+    if e.queue_depth is None or e.running is None:
+        return float(e.outstanding)
+    return max(float(e.outstanding), e.queue_depth + e.running + e.outstanding - e.outstanding_at_scrape)
+
+
+def estimate(e: EdgeView, x: RequestView, a: Assumptions = Assumptions()) -> Estimate:
+    """TTFT^ and TPOT^ of request x on edge e (the formulas of the module docstring)."""
+    c0, c1, c2, c3 = e.step_coef
+    M = max(1.0, float(e.max_running))
+    B = a.step_token_budget
+    n = edge_load(e)
+    k = min(n, M)
+    w = n - k
+    p = max(1, x.prompt_tokens)
+    ctx = p + x.max_tokens / 2
+
+    def t_dec(d: float) -> float:
+        return c0 + c1 * d + c3 * d * ctx / 1000
+
+    chunk = max(1.0, B - k)
+    f = min(p, chunk)
+    t_pf = c0 + c1 * k + c2 * f + c3 * (k * ctx + f) / 1000
+    g = 1.0 + e.training_busy / max(1.0 - e.spare_capacity, 0.05) if e.training_active else 1.0
+    departure = a.typical_output_tokens * t_dec(M) * g / M
+    if e.finish_rate > 0:
+        departure = max(departure, 1.0 / e.finish_rate)
+    wait = (w + 1) * departure if n >= M else 0.0
+    ttft = wait + t_pf + (math.ceil(p / chunk) - 1) * t_pf * g
+    T = x.ttft_target_s or e.ttft_target_s
+    P = x.tpot_target_s or e.tpot_target_s
+    bare = t_dec(min(k + 1, M))
+    tpot = min(bare * g, max(bare, a.slo_safety * P))
+    return Estimate(e.name, n, ttft, tpot, T, P)
+
+
+def choose_slo(edges: list[EdgeView], x: RequestView, rng: random.Random,
+               a: Assumptions = Assumptions()) -> Decision:
+    """The `slo` policy: most normalised SLO slack, near-ties by power of two choices."""
+    if not edges:
+        raise ValueError("no edge to choose from")
+    ests = {e.name: estimate(e, x, a) for e in edges}
+    best = max(est.slack for est in ests.values())
+    near = [e for e in edges if ests[e.name].slack >= min(best - a.tie_margin, a.comfort)]
+    starved = [e for e in edges if e not in near and ests[e.name].load == 0 and e.unused_s >= a.probe_after_s]
+    if starved:
+        pick = max(starved, key=lambda e: e.unused_s)
+        return Decision(pick.name, ests[pick.name], "probe")
+    if len(near) == 1:
+        return Decision(near[0].name, ests[near[0].name], "best")
+    i, j = rng.sample(range(len(near)), 2)
+    one, two = near[i], near[j]
+    pick = min((one, two), key=lambda e: (e.outstanding, ests[e.name].load))
+    return Decision(pick.name, ests[pick.name], f"p2c among {len(near)}")
+
+
+def choose_round_robin(edges: list[EdgeView], counter: int) -> Decision:
+    return Decision(edges[counter % len(edges)].name, None, "round_robin")
+
+
+def choose_least_outstanding(edges: list[EdgeView], rng: random.Random) -> Decision:
+    low = min(e.outstanding for e in edges)
+    pick = rng.choice([e for e in edges if e.outstanding == low])
+    return Decision(pick.name, None, "least_outstanding")
+
+
+def choose(policy: str, edges: list[EdgeView], x: RequestView, rng: random.Random, counter: int = 0,
+           a: Assumptions = Assumptions()) -> Decision:
+    """Dispatch on the configured policy; `edges` are the routable ones, in config order."""
+    if not edges:
+        raise ValueError("no edge to choose from")
+    if policy == "slo":
+        return choose_slo(edges, x, rng, a)
+    if policy == "round_robin":
+        return choose_round_robin(edges, counter)
+    if policy == "least_outstanding":
+        return choose_least_outstanding(edges, rng)
+    raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")

@@ -1,0 +1,174 @@
+"""What the router knows about each edge: health, the last scrape of its /metrics, its own counts.
+
+The router polls every edge's `/health` and `/metrics` (names in `collm.common.metric_names`);
+`EdgeState.view()` turns the live state into the plain `EdgeView` the routing rule takes.
+
+Health: an edge starts out (unknown), comes in after `healthy_after` good polls in a row, and
+goes out after `unhealthy_after` failed polls in a row, or at once when a request cannot connect
+to it. A poll that times out while the edge is still streaming tokens to this router does not
+count: the edge is slow (overloaded), not gone, and taking it out would turn slow answers into
+503s. A 503 or 429 answer to a request puts it on a short cooldown (other edges are preferred).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from collm.common import metric_names as M
+
+from .router_config import EdgeEndpoint, HealthConfig, RoutingConfig
+from .router_policy import EdgeView
+
+log = logging.getLogger("collm.router")
+
+_TERMS = ("base", "per_decode_seq", "per_prefill_token", "per_1k_kv_tokens")
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """The gauges of one edge /metrics response that routing uses."""
+
+    at: float  # monotonic time the scrape was sent
+    outstanding_at: int  # router requests in flight to the edge when it was sent
+    queue_depth: float
+    running: float
+    max_running: float
+    step_coef: tuple[float, float, float, float]
+    ttft_target_s: float
+    tpot_target_s: float
+    training_active: bool
+    training_busy: float
+    spare_capacity: float
+    finish_rate: float
+    decode_step_s: float | None
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """`name` or `name{labels}` -> value, for every sample line (enough for the edge's gauges)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def scrape_from_metrics(text: str, at: float, outstanding_at: int) -> Scrape:
+    """Read the gauges routing needs; KeyError names a missing one (an edge of another version)."""
+    s = parse_prometheus(text)
+
+    def num(name: str, default: float | None = None) -> float:
+        v = s.get(name)
+        if v is None or math.isnan(v):
+            if default is None:
+                raise KeyError(name)
+            return default
+        return v
+
+    coef = tuple(num(f'{M.STEP_COST}{{term="{t}"}}') for t in _TERMS)
+    pred = s.get(M.DECODE_STEP_PRED)
+    return Scrape(
+        at=at, outstanding_at=outstanding_at, queue_depth=num(M.QUEUE_DEPTH), running=num(M.RUNNING),
+        max_running=num(M.MAX_RUNNING), step_coef=coef,  # type: ignore[arg-type]
+        ttft_target_s=num(M.SLO_TTFT), tpot_target_s=num(M.SLO_TPOT),
+        training_active=num(M.TRAINING_ACTIVE, 0.0) > 0, training_busy=num(M.TRAINING_BUSY, 0.0),
+        spare_capacity=num(M.SPARE_CAPACITY, 1.0), finish_rate=num(M.REQUEST_RATE, 0.0),
+        decode_step_s=None if pred is None or math.isnan(pred) else pred)
+
+
+@dataclass
+class EdgeState:
+    endpoint: EdgeEndpoint
+    healthy: bool = False
+    good_polls: int = 0
+    bad_polls: int = 0
+    last_error: str | None = None
+    cooldown_until: float = 0.0
+    outstanding: int = 0
+    scrape: Scrape | None = None
+    health: dict = field(default_factory=dict)
+    last_slack: float | None = None
+    last_sent: float = field(default_factory=time.monotonic)
+    last_progress: float = 0.0  # monotonic time the edge last sent this router response bytes
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.name
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    def cooling(self, now: float | None = None) -> bool:
+        return (now if now is not None else time.monotonic()) < self.cooldown_until
+
+    # ---------------------------------------------------------------- health transitions
+    def poll_ok(self, cfg: HealthConfig, health: dict) -> None:
+        self.health = health
+        self.good_polls += 1
+        self.bad_polls = 0
+        if not self.healthy and self.good_polls >= cfg.healthy_after:
+            self.healthy = True
+            self.last_error = None
+            log.info("edge %s (%s) is healthy: routing to it", self.name, self.url)
+
+    def poll_timed_out(self, cfg: HealthConfig, why: str) -> None:
+        if time.monotonic() - self.last_progress < cfg.timeout_s + cfg.interval_s:
+            log.info("edge %s: health check timed out but it is streaming to us: slow, not down", self.name)
+            return
+        self.check_failed(cfg, why)
+
+    def check_failed(self, cfg: HealthConfig, why: str) -> None:
+        self.good_polls = 0
+        self.bad_polls += 1
+        self.last_error = why
+        if self.healthy and self.bad_polls >= cfg.unhealthy_after:
+            self.healthy = False
+            log.warning("edge %s (%s) failed %d checks in a row (%s): taken out", self.name, self.url,
+                        self.bad_polls, why)
+
+    def connect_failed(self, why: str) -> None:
+        """A request could not reach the edge: out at once, until a health check says otherwise."""
+        self.good_polls = 0
+        self.last_error = why
+        if self.healthy:
+            self.healthy = False
+            log.warning("edge %s (%s) refused a request (%s): taken out until its health check passes",
+                        self.name, self.url, why)
+
+    def cool_down(self, seconds: float, why: str) -> None:
+        self.cooldown_until = max(self.cooldown_until, time.monotonic() + seconds)
+        self.last_error = why
+
+    # ---------------------------------------------------------------- the rule's input
+    def view(self, routing: RoutingConfig, stale_after_s: float, now: float | None = None) -> EdgeView:
+        now = now if now is not None else time.monotonic()
+        s = self.scrape
+        unused = now - self.last_sent
+        if s is None:
+            return EdgeView(self.name, self.outstanding, max_running=routing.default_max_running,
+                            ttft_target_s=routing.default_ttft_ms / 1000, tpot_target_s=routing.default_tpot_ms / 1000,
+                            unused_s=unused)
+        if now - s.at > stale_after_s:  # keep what an old scrape says about the edge, not about its load
+            return EdgeView(self.name, self.outstanding, max_running=s.max_running, step_coef=s.step_coef,
+                            ttft_target_s=s.ttft_target_s, tpot_target_s=s.tpot_target_s, unused_s=unused)
+        return EdgeView(
+            self.name, self.outstanding, s.outstanding_at, s.queue_depth, s.running, s.max_running, s.step_coef,
+            s.ttft_target_s, s.tpot_target_s, s.training_active, s.training_busy, s.spare_capacity, s.finish_rate,
+            unused)
+
+    def describe(self) -> dict:
+        s = self.scrape
+        return {"name": self.name, "url": self.url, "healthy": self.healthy, "cooling": self.cooling(),
+                "outstanding": self.outstanding, "last_error": self.last_error,
+                "queue_depth": s.queue_depth if s else None, "running": s.running if s else None,
+                "training_active": s.training_active if s else None,
+                "metrics_age_s": round(time.monotonic() - s.at, 2) if s else None,
+                "last_slack": self.last_slack}

@@ -1,0 +1,161 @@
+"""The router's routing rule on synthetic edge states (pure functions, no processes)."""
+
+import random
+from dataclasses import replace
+from collections import Counter
+
+import pytest
+
+from collm.server.router_policy import (Assumptions, EdgeView, RequestView, choose, edge_load, estimate)
+
+COEF = (0.003, 0.0005, 2e-5, 0.0015)  # about what the tiny model measures on a CPU
+
+
+def idle(name, **kw):
+    base = dict(outstanding=0, outstanding_at_scrape=0, queue_depth=0, running=0, max_running=8, step_coef=COEF,
+                ttft_target_s=1.0, tpot_target_s=0.1)
+    return EdgeView(name, **{**base, **kw})
+
+
+X = RequestView(prompt_tokens=100, max_tokens=64)
+STRICT = Assumptions(comfort=1.0)  # no "comfortable" near-ties: only edges within tie_margin of the best
+
+
+def test_idle_edge_estimate_is_one_prefill_step_and_one_decode_step():
+    est = estimate(idle("a"), X)
+    c0, c1, c2, c3 = COEF
+    ctx = 100 + 32
+    assert est.ttft_s == pytest.approx(c0 + c2 * 100 + c3 * 100 / 1000)
+    assert est.tpot_s == pytest.approx(c0 + c1 + c3 * ctx / 1000)
+    assert est.slack == pytest.approx(min(1 - est.ttft_s / 1.0, 1 - est.tpot_s / 0.1))
+    assert 0.9 < est.slack < 1
+
+
+def test_queued_edge_is_avoided_and_wait_grows_with_the_queue():
+    a = Assumptions(typical_output_tokens=64)
+    waits = [estimate(idle("a", running=8, queue_depth=q), X, a).ttft_s for q in (0, 8, 16)]
+    assert waits[0] < waits[1] < waits[2]
+    # (w + 1)/M * L * t_dec(M): one more wave of 8 requests costs L decode steps at batch 8
+    c0, c1, _, c3 = COEF
+    t_dec8 = c0 + c1 * 8 + c3 * 8 * 132 / 1000
+    assert waits[1] - waits[0] == pytest.approx(8 / 8 * 64 * t_dec8)
+    edges = [idle("busy", running=8, queue_depth=16), idle("b"), idle("c")]
+    picks = Counter(choose("slo", edges, X, random.Random(s)).edge for s in range(50))
+    assert picks["busy"] == 0 and picks["b"] > 10 and picks["c"] > 10
+
+
+def test_requests_sent_since_the_scrape_count_as_load():
+    # the last scrape saw an idle edge, but this router has sent it 12 requests since (none done)
+    e = idle("a", outstanding=12, outstanding_at_scrape=0)
+    assert edge_load(e) == 12
+    assert estimate(e, X).ttft_s > estimate(idle("b"), X).ttft_s
+    # requests that finished since the scrape are no longer counted: scrape saw 5 (all ours), 2 are left
+    assert edge_load(idle("c", running=5, outstanding=2, outstanding_at_scrape=5)) == 2
+    # no fresh scrape: only the router's own in-flight requests
+    assert edge_load(EdgeView("d", outstanding=3)) == 3
+    picks = {choose("slo", [e, idle("b")], X, random.Random(s)).edge for s in range(20)}
+    assert picks == {"b"}
+
+
+def test_training_edge_is_avoided_while_others_have_room_and_used_when_they_do_not():
+    train = idle("train", training_active=True, training_busy=0.8, spare_capacity=0.9)
+    est = estimate(train, X)
+    bare = estimate(idle("x"), X)
+    # g = 1 + 0.8 / 0.1 = 9: serving stretched, but never past the co-scheduler's s * P
+    assert est.tpot_s == pytest.approx(min(bare.tpot_s * 9, 0.8 * 0.1))
+    assert est.slack < bare.slack - 0.05
+    assert {choose("slo", [train, idle("b")], X, random.Random(s), a=STRICT).edge for s in range(20)} == {"b"}
+    loaded = idle("b", running=8, queue_depth=30)
+    assert {choose("slo", [train, loaded], X, random.Random(s), a=STRICT).edge for s in range(20)} == {"train"}
+    # training nearly all the time: TPOT planned up to s * P, too close to the target to be comfortable
+    busy = idle("train", training_active=True, training_busy=0.9, spare_capacity=0.95, running=4)
+    assert estimate(busy, X).tpot_s == pytest.approx(0.08) and estimate(busy, X).slack < 0.5
+    assert {choose("slo", [busy, idle("b")], X, random.Random(s)).edge for s in range(20)} == {"b"}
+
+
+def test_request_slo_override_takes_precedence_over_the_edge_targets():
+    e = idle("a", running=8, queue_depth=8)
+    default = estimate(e, X)
+    tight = estimate(e, RequestView(100, 64, ttft_target_s=0.05, tpot_target_s=0.02))
+    assert default.ttft_target_s == 1.0 and tight.ttft_target_s == 0.05 and tight.tpot_target_s == 0.02
+    assert tight.slack < 0 < default.slack
+    # edges with different default targets: the override makes them comparable on the request's terms
+    loose = idle("loose", ttft_target_s=10.0, tpot_target_s=1.0, running=8, queue_depth=4)
+    strict = idle("strict", ttft_target_s=0.5, tpot_target_s=0.05)
+    strict_best = Assumptions(tie_margin=0.0, comfort=1.0)
+    # 0.35 s of queueing is little against loose's own 10 s target ...
+    assert choose("slo", [loose, strict], X, random.Random(0), a=strict_best).edge == "loose"
+    # ... and a lot against the request's 0.5 s
+    y = RequestView(100, 64, ttft_target_s=0.5, tpot_target_s=0.05)
+    assert choose("slo", [loose, strict], y, random.Random(0), a=strict_best).edge == "strict"
+
+
+def test_near_ties_use_two_choices_on_outstanding_and_spread_over_idle_edges():
+    edges = [idle("a", outstanding=3, running=3, outstanding_at_scrape=3), idle("b"), idle("c")]
+    # a looks nearly as good by slack (within the tie margin) but has more in flight
+    picks = Counter(choose("slo", edges, X, random.Random(s)).edge for s in range(300))
+    assert picks["a"] == 0  # a is in every sampled pair it loses
+    d = choose("slo", edges, X, random.Random(1))
+    assert d.why.startswith("p2c among 3")
+    same = [idle(n) for n in "abc"]
+    picks = Counter(choose("slo", same, X, random.Random(s)).edge for s in range(300))
+    assert all(picks[n] > 60 for n in "abc"), picks
+
+
+def test_tie_margin_zero_picks_the_strict_best():
+    edges = [idle("a", running=2), idle("b", running=1), idle("c", running=3)]
+    d = choose("slo", edges, X, random.Random(0), a=Assumptions(tie_margin=0.0, comfort=1.0))
+    assert d.edge == "b" and d.why == "best"
+
+
+def test_comfortable_edges_are_all_near_ties():
+    """An edge whose (maybe stale) cost model makes it look 3x slower still gets traffic while it meets
+    the SLOs with room to spare, so its model is refreshed; once slack gets tight the rule is strict."""
+    slow = idle("slow", step_coef=tuple(3 * c for c in COEF))
+    fast = idle("fast")
+    assert 0.5 < estimate(slow, X).slack < estimate(fast, X).slack - 0.05
+    picks = Counter(choose("slo", [slow, fast], X, random.Random(s)).edge for s in range(100))
+    assert picks["slow"] > 20 and picks["fast"] > 20
+    assert {choose("slo", [slow, fast], X, random.Random(s), a=STRICT).edge for s in range(20)} == {"fast"}
+    tight = RequestView(100, 64, tpot_target_s=0.02)  # the request's own target: now the difference matters
+    assert estimate(slow, tight).slack < 0.5
+    assert {choose("slo", [slow, fast], tight, random.Random(s)).edge for s in range(20)} == {"fast"}
+
+
+def test_when_every_edge_misses_the_least_bad_is_chosen():
+    edges = [idle("a", running=8, queue_depth=200), idle("b", running=8, queue_depth=100)]
+    ests = {e.name: estimate(e, X) for e in edges}
+    assert ests["a"].slack < ests["b"].slack < 0
+    assert choose("slo", edges, X, random.Random(0)).edge == "b"
+
+
+def test_long_prompt_needs_several_prefill_chunks():
+    short = estimate(idle("a"), RequestView(100, 16), Assumptions(step_token_budget=128))
+    long_ = estimate(idle("a"), RequestView(1000, 16), Assumptions(step_token_budget=128))
+    assert long_.ttft_s > 7 * short.ttft_s
+
+
+def test_baselines():
+    edges = [idle("a", outstanding=2), idle("b", outstanding=0), idle("c", outstanding=1)]
+    assert [choose("round_robin", edges, X, random.Random(0), counter=i).edge for i in range(4)] == list("abca")
+    assert choose("least_outstanding", edges, X, random.Random(0)).edge == "b"
+    with pytest.raises(ValueError, match="unknown policy"):
+        choose("fastest", edges, X, random.Random(0))
+    with pytest.raises(ValueError):
+        choose("slo", [], X, random.Random(0))
+
+
+def test_an_idle_edge_left_out_too_long_is_probed():
+    """A stale, pessimistic cost model would starve an idle edge forever: it gets a probe now and then."""
+    a = Assumptions(probe_after_s=5.0)
+    stale = idle("stale", step_coef=(0.05, 0.02, 0.001, 0.5))  # fit while overloaded; idle now
+    fresh = idle("fresh")
+    assert estimate(stale, X).slack < 0.5
+    assert choose("slo", [stale, fresh], X, random.Random(0), a=a).edge == "fresh"
+    probe = choose("slo", [replace(stale, unused_s=6.0), fresh], X, random.Random(0), a=a)
+    assert probe.edge == "stale" and probe.why == "probe"
+    # never an edge with work on it (its estimate is not stale, it is busy), nor an edge that is near-best
+    busy = replace(stale, unused_s=60.0, running=1)
+    assert choose("slo", [busy, fresh], X, random.Random(0), a=a).edge == "fresh"
+    near = choose("slo", [replace(fresh, name="f2", unused_s=60.0), fresh], X, random.Random(0), a=a)
+    assert near.why.startswith("p2c")
