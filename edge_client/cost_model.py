@@ -1,8 +1,9 @@
 """Online cost models: how long a serving step or a training micro-batch will take.
 
-Each is a linear model over a few features, refit by least squares on a window of recent
-measurements (so it follows the machine as it gets busier or quieter), with a floor of zero on
-every coefficient. Before there are enough measurements it answers from its prior.
+Each is a linear model over a few features, refit by least squares on the measurements of the
+last `max_age_s` seconds (so it follows the machine as it gets busier or quieter), pulled toward
+a prior and floored at zero. The prior is replaced by the warmup's fit once warmup has measured
+this machine, so an edge that has been idle for a while falls back to its own calibration.
 
 * serving step:  t = c0 + c1 * decode_seqs + c2 * prefill_tokens + c3 * attended_kv_tokens / 1000
 * micro-batch:   t = c0 + c1 * tokens           (separate models for training and evaluation)
@@ -11,19 +12,23 @@ every coefficient. Before there are enough measurements it answers from its prio
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
 
 
 class LinearCostModel:
-    def __init__(self, n_features: int, prior: list[float], window: int = 200, min_samples: int = 8):
+    def __init__(self, n_features: int, prior: list[float], window: int = 200, min_samples: int = 8,
+                 max_age_s: float = 120.0):
         self.prior = np.asarray(prior, dtype=float)
         assert len(self.prior) == n_features + 1
         self.coef = self.prior.copy()
         self._xs: deque[np.ndarray] = deque(maxlen=window)
         self._ys: deque[float] = deque(maxlen=window)
+        self._ts: deque[float] = deque(maxlen=window)
         self._min = min_samples
+        self.max_age_s = max_age_s
         self._dirty = False
         self._lock = threading.Lock()
         self.samples = 0
@@ -32,34 +37,58 @@ class LinearCostModel:
         with self._lock:
             self._xs.append(np.concatenate([[1.0], np.asarray(features, dtype=float)]))
             self._ys.append(float(seconds))
+            self._ts.append(time.monotonic())
             self.samples += 1
+            self._dirty = True
+
+    def adopt_fit_as_prior(self) -> None:
+        """Use the current fit (e.g. after warmup) as the prior from now on."""
+        with self._lock:
+            self._refit()
+            self.prior = self.coef.copy()
+
+    def _expire(self) -> None:
+        cutoff = time.monotonic() - self.max_age_s
+        while self._ts and self._ts[0] < cutoff:
+            self._ts.popleft()
+            self._xs.popleft()
+            self._ys.popleft()
             self._dirty = True
 
     def _refit(self) -> None:
         if len(self._ys) < self._min:
             # Few samples: scale the prior so it matches what was seen so far.
-            if self._ys:
+            if self._ys:  # the median ratio: one hiccup (a page fault, another process) must not count
                 x, y = np.stack(self._xs), np.asarray(self._ys)
-                pred = x @ self.prior
-                ratio = float(y.sum() / max(pred.sum(), 1e-9))
+                ratio = float(np.median(y / np.maximum(x @ self.prior, 1e-9)))
                 self.coef = self.prior * min(max(ratio, 0.05), 20.0)
             return
         x, y = np.stack(self._xs), np.asarray(self._ys)
-        # Ridge toward the prior keeps features that never varied at their prior value.
-        lam = 1e-3 * len(y)
-        scale = np.maximum(np.abs(x).mean(axis=0), 1e-9)
-        xs = x / scale
-        p = self.prior * scale
-        a = xs.T @ xs + lam * np.eye(x.shape[1])
-        b = xs.T @ y + lam * p
-        coef = np.linalg.solve(a, b) / scale
+        coef = self._ridge(x, y)
+        # one robust pass: refit without samples far off the first fit (outliers inflate every term)
+        resid = np.abs(y - x @ coef)
+        keep = resid <= 3 * np.median(resid) + 1e-4
+        if keep.sum() >= self._min and not keep.all():
+            coef = self._ridge(x[keep], y[keep])
         self.coef = np.maximum(coef, 0.0)
         if self.coef.sum() == 0:
             self.coef = self.prior.copy()
 
+    def _ridge(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Least squares pulled toward the prior (features that never varied keep their prior value)."""
+        lam = 1e-3 * len(y)
+        scale = np.maximum(np.abs(x).mean(axis=0), 1e-9)
+        xs = x / scale
+        a = xs.T @ xs + lam * np.eye(x.shape[1])
+        b = xs.T @ y + lam * self.prior * scale
+        return np.linalg.solve(a, b) / scale
+
     def predict(self, features: list[float]) -> float:
         with self._lock:
-            if self._dirty:
+            self._expire()
+            if not self._ys:
+                self.coef = self.prior.copy()
+            elif self._dirty:
                 self._refit()
                 self._dirty = False
             return float(self.coef @ np.concatenate([[1.0], np.asarray(features, dtype=float)]))

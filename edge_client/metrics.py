@@ -75,6 +75,11 @@ class _SnapshotCollector:
             M.SLO_TTFT: ("Default TTFT target (s)", cfg.slo.ttft_ms / 1000),
             M.SLO_TPOT: ("Default TPOT target (s)", cfg.slo.tpot_ms / 1000),
             M.MAX_CONTEXT: ("Longest prompt + output this edge accepts (tokens)", s["max_context"]),
+            M.PENDING_DECODE: ("Output tokens still to generate for running and waiting requests",
+                               s["pending_decode_tokens"]),
+            M.PENDING_PREFILL: ("Prompt tokens not yet prefilled (running and waiting)", s["pending_prefill_tokens"]),
+            M.STEP_TOKEN_BUDGET: ("Tokens per engine step (prefill chunking)", cfg.engine.step_token_budget),
+            M.SLO_SAFETY: ("Fraction of each SLO the co-scheduler plans to use", cfg.slo.safety),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(name, doc)

@@ -2,6 +2,8 @@
 
 import os
 
+import collm  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
