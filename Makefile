@@ -4,8 +4,11 @@
 setup:
 	@bash scripts/setup.sh
 
+# The main demo: SuperLink + ServerApp + 3 SmolLM2 edges (one Dolly domain each) + router, two
+# federated rounds while requests are served; prints each edge's holdout loss per round.
 demo: setup
 	.venv/bin/collm-edge --config configs/edge-smollm2.yaml --prompt "What is the capital of France?"
+	.venv/bin/collm-lab --model bundled --edges 3 --rounds 2 --load 0.3 --round-deadline 60 --out runs/demo
 
 test: setup
 	.venv/bin/python -m pytest -q

@@ -63,10 +63,19 @@ class ModelConfig(Strict):
     cache_dir: str = Field("~/.cache/collm", description="converted models are cached here")
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: one per core); with "
                                                        "several edges on one machine give each cores/edges")
+    cpu_affinity: list[int] | None = Field(None, description="pin this edge to these CPU cores (e.g. one edge "
+                                                             "per core, like separate devices on one machine)")
     tiny: TinyModelConfig = TinyModelConfig()
 
     @model_validator(mode="after")
     def _source_fields(self) -> ModelConfig:
+        if self.cpu_affinity is not None:
+            import os
+
+            have = os.cpu_count() or 1
+            bad = [c for c in self.cpu_affinity if not 0 <= c < have]
+            if bad or not self.cpu_affinity:
+                raise ValueError(f"cpu_affinity {self.cpu_affinity} must list cores between 0 and {have - 1}")
         if self.source == "local":
             if not self.path:
                 raise ValueError("source 'local' needs `path`: a Hugging Face model directory")

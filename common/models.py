@@ -258,8 +258,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
 
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if cfg.cpu_affinity:
+        os.sched_setaffinity(0, set(cfg.cpu_affinity))
+    if cfg.threads or cfg.cpu_affinity:
+        torch.set_num_threads(cfg.threads or len(cfg.cpu_affinity))
     t0 = time.time()
     if cfg.source == "tiny" and cfg.quantization == "none":
         tokenizer = build_tiny_tokenizer(cfg.tiny.vocab_size)

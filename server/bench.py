@@ -100,11 +100,20 @@ def edge_configs(cfg: BenchConfig, mode: str, superlink: str, out: Path) -> list
         c["data"] = {**c.get("data", {}), "categories": parts[i]}
         c["training"] = {**c.get("training", {}), "co_schedule": "naive" if mode == "colocated-naive" else "slo",
                          "max_eval_records": cfg.eval_records}
-        c["model"] = {**c["model"], "threads": max(1, (os.cpu_count() or 1) // cfg.replicas)}
+        c["model"] = {**c["model"], "cpu_affinity": replica_cores(i, cfg.replicas)}
         c["federation"] = {"enabled": "train" in role, "superlink": superlink, "runtime_port": free_port()}
         c["state_dir"] = str(out / "state" / c["name"])
         configs.append(c)
     return configs
+
+
+def replica_cores(i: int, n: int) -> list[int]:
+    """The cores replica i of n is pinned to: each replica its own share, like separate devices."""
+    ncpu = os.cpu_count() or 1
+    if n >= ncpu:
+        return [i % ncpu]
+    per = ncpu // n
+    return list(range(i * per, (i + 1) * per))
 
 
 class ModeRun:

@@ -42,7 +42,8 @@ class BenchConfig(Strict):
     """One benchmark: the same replicas, trace and SLOs for every mode, run one after another."""
 
     model: Literal["tiny", "bundled"] = "tiny"
-    replicas: int = Field(4, ge=2, description="edge processes in every mode (isolated: half serve, half train)")
+    replicas: int = Field(2, ge=2, description="edge processes in every mode (isolated: half serve, half train); "
+                                               "each is pinned to its own share of the cores")
     modes: list[Literal["collm", "isolated", "colocated-naive", "serve-only"]] = Field(
         default_factory=lambda: list(MODES), min_length=1)
     window_s: float = Field(120.0, gt=0, description="replay window per mode (goodput, quality over time)")
