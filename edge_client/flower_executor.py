@@ -38,6 +38,8 @@ from flwr.supercore.retry import RetryInvoker, exponential
 from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
+from collm.common.procs import child_env
+
 log = logging.getLogger(__name__)
 
 # `pull_task_input` sets flwr's process-global TaskIdentity, so a process runs one task at a
@@ -266,7 +268,7 @@ class SuperNodeExecutor:
                 self._proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
                     [sys.executable, "-c", _SUPERNODE_LAUNCHER, str(os.getpid()), *self._supernode_args],
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    env=_child_env(), text=True, errors="replace",
+                    env=child_env(), text=True, errors="replace",
                 )  # fmt: skip
             except OSError as exc:
                 self._last_error = f"cannot start flower-supernode: {exc}"
@@ -406,14 +408,6 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, httpx.HTTPStatusError):
         return f"HTTP {exc.response.status_code} from {exc.request.url.path}: {exc.response.text[:300]}"
     return f"{type(exc).__name__}: {exc}"
-
-
-def _child_env() -> dict[str, str]:
-    """Our environment; Flower's telemetry and update check are off unless set explicitly."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    env.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-    return env
 
 
 def _terminate(proc: subprocess.Popen, timeout: float) -> None:

@@ -40,6 +40,7 @@ import yaml
 from collm.common.config import EdgeConfig, load_config
 from collm.common.data import categories, load_records, partition_by_category
 from collm.common.errors import UserError, cli_entry
+from collm.common.procs import BIN_DIR, child_env
 
 from .certs import make_certs, register_nodes
 
@@ -66,8 +67,7 @@ class Lab:
 
     def spawn(self, name: str, cmd: list[str], **kw) -> subprocess.Popen:
         log = open(self.out / "logs" / f"{name}.log", "w")
-        env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-               "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE", **kw.pop("env", {})}
+        env = child_env(**kw.pop("env", {}))
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, **kw)
         self.procs.append((name, p))
         return p
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    bin_dir = Path(sys.executable).parent
+    bin_dir = BIN_DIR
     superlink = f"127.0.0.1:{free_port()}"
 
     server_cfg = yaml.safe_load(Path(args.server_config).read_text())
