@@ -377,9 +377,9 @@ class Engine:
         now = time.perf_counter()
         self.costs.step.observe(step_features(decode, prefill, attended), now - t0)
         self.telemetry.record_step(now - t0, len(segments))
-        for s in segments:
-            r = by_slot[s.slot]
-            if not (len(s.tokens) == 1 and s.start > 0):
+        for s in segments:  # a request's segment is a prefill chunk until its prompt is all in
+            r = by_slot[s.slot]  # (a 1-token last chunk looks like a decode but is not one)
+            if r.prefilled < len(r.prompt_ids):
                 r.prefilled += len(s.tokens)
         for r, tok in zip(wanting, tokens):
             self._on_token(r, tok, now)

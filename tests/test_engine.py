@@ -188,6 +188,25 @@ def test_chunked_prefill_keeps_decodes_running():
         eng.stop()
 
 
+@pytest.mark.parametrize("tail", [1, 2, 5])
+def test_chunked_greedy_output_equals_unchunked_whatever_the_last_chunk(tail):
+    """A prompt whose last prefill chunk is `tail` tokens long (1 looks like a decode step) must
+    produce the same greedy tokens as the same prompt prefilled in one step."""
+    budget = 16
+    whole = tiny_engine(engine={"step_token_budget": 512, "kv_cache_mb": 16})
+    chunked = tiny_engine(engine={"step_token_budget": budget, "kv_cache_mb": 16})
+    try:
+        ids = prompt(whole, " ".join(["word"] * 40))
+        ids = ids[: (len(ids) // budget - 1) * budget + tail]  # n full chunks, then `tail` tokens
+        expected = whole.generate(ids, GREEDY).token_ids
+        got = chunked.generate(ids, GREEDY)
+        assert got.token_ids == expected
+        assert got.record.prompt_tokens == len(ids) and got.record.output_tokens == GREEDY.max_tokens
+    finally:
+        whole.stop()
+        chunked.stop()
+
+
 def test_sampling_seed_stop_strings_and_eos():
     eng = tiny_engine()
     try:
