@@ -156,6 +156,7 @@ class Engine:
         self._running: list[Request] = []
         self._jobs: deque[BackgroundJob] = deque()
         self._job: BackgroundJob | None = None
+        self._ending_jobs = False  # set at shutdown: end background jobs at the next micro-batch boundary
         self._typical_prompt = 128.0
         self._accepting = True
         self._stop = False
@@ -233,6 +234,13 @@ class Engine:
             self._jobs.append(job)
             self._lock.notify()
         return job.future
+
+    def end_jobs(self) -> None:
+        """End the current and queued background jobs at the next micro-batch boundary (shutdown):
+        their futures resolve with what was done so far, marked as cut short by the deadline."""
+        with self._lock:
+            self._ending_jobs = True
+            self._lock.notify()
 
     def free_slots(self) -> int:
         return self.pool.free_slots
@@ -466,7 +474,7 @@ class Engine:
         if job is None:
             return False
         now = time.perf_counter()
-        if job.done() or job.past_deadline(now):
+        if job.done() or job.past_deadline(now) or self._ending_jobs:
             self._end_job(job, deadline_hit=not job.done())
             return False
         if self.cfg.training.co_schedule == "naive":  # baseline: no SLO control, no preemption
@@ -484,7 +492,7 @@ class Engine:
                 stop_at = min(stop_at, job.started_at + job.deadline_s)
 
             def should_stop() -> bool:
-                return bool(self._incoming) or self._stop or time.perf_counter() > stop_at
+                return bool(self._incoming) or self._stop or self._ending_jobs or time.perf_counter() > stop_at
 
         t0 = time.perf_counter()
         try:

@@ -381,18 +381,21 @@ class SuperNodeExecutor:
             interceptors.append(RuntimeTokenHttpInterceptor(token))
         return RuntimeHttpClient(
             self._runtime_url, interceptors=interceptors, timeout=timeout,
-            retry_invoker=_transient_retry() if retry else None,
+            retry_invoker=_transient_retry(self._stop.is_set) if retry else None,
         )  # fmt: skip
 
 
-def _transient_retry() -> RetryInvoker:
-    """Retry loopback hiccups (connection errors, HTTP 502/503/504) for up to 20 s.
+def _transient_retry(stopping: Callable[[], bool] = lambda: False) -> RetryInvoker:
+    """Retry loopback hiccups (connection errors, HTTP 502/503/504) for up to 20 s, unless the edge is
+    stopping (then the SuperNode is going away too, and waiting would only delay the shutdown).
 
     Not flwr's `make_simple_http_retry_invoker`: on HTTP 401 (a revoked task token) it raises
     SIGINT in the whole process, which would take the edge down.
     """
 
     def give_up(exc: Exception) -> bool:
+        if stopping():
+            return True
         return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code not in (502, 503, 504)
 
     return RetryInvoker(

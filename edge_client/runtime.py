@@ -92,6 +92,8 @@ class EdgeRuntime:
 
     def shutdown(self, grace_s: float) -> None:
         """Leave the federation, finish in-flight requests within `grace_s`, save the training state."""
+        if self.engine is not None:
+            self.engine.end_jobs()  # a round's training task replies with what it did instead of running on
         if self.executor is not None:
             self.executor.stop()
         if self.engine is None:

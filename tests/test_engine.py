@@ -306,6 +306,23 @@ def test_scheduler_trains_when_idle():
         eng.stop()
 
 
+def test_end_jobs_cuts_running_and_queued_training_short():
+    """At shutdown a round's training must reply with what it did, not run to its budget."""
+    eng = tiny_engine()
+    try:
+        running = eng.train(TrainBudget(steps=10_000))
+        queued = eng.train(TrainBudget(steps=10_000))
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        eng.end_jobs()
+        first, second = running.result(timeout=10), queued.result(timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert first.deadline_hit and first.microbatches > 0 and first.steps < 10_000
+        assert second.deadline_hit and second.steps == 0
+    finally:
+        eng.stop()
+
+
 def test_evaluation_of_versions():
     eng = tiny_engine()
     try:
