@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -35,6 +36,7 @@ from collm.common.config import EdgeConfig, load_config
 from collm.common.data import Record, categories, load_records, partition_by_category, split_holdout
 from collm.common.errors import UserError, cli_entry
 from collm.common.loadgen import Planned, replay, summarize
+from collm.common.procs import BIN_DIR
 from collm.common.traces import TraceScaling, load_trace, mean_rate
 
 from .bench_config import BenchConfig
@@ -131,7 +133,7 @@ class ModeRun:
         self._stop = threading.Event()
 
     def start(self) -> None:
-        bin_dir = Path(sys.executable).parent
+        bin_dir = BIN_DIR
         if self.trains:
             self.lab.spawn("superlink", [str(bin_dir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
                                          "--port", self.superlink.split(":")[1],
@@ -156,6 +158,7 @@ class ModeRun:
         self.model_id = httpx.get(self.router + "/v1/models").json()["data"][0]["id"]
         if self.trains:
             self._start_server(bin_dir)
+            self._wait_first_round()
         if self.mode == "isolated":
             threading.Thread(target=self._reload_serving_replicas, daemon=True).start()
 
@@ -171,6 +174,21 @@ class ModeRun:
         (self.out / "server.yaml").write_text(yaml.safe_dump(server))
         self.lab.spawn("server", [str(bin_dir / "collm-server"), "--insecure", "--superlink", self.superlink,
                                   "-c", f'config="{self.out / "server.yaml"}"'])
+
+    def _wait_first_round(self, timeout: float = 300) -> None:
+        """Start the window only once round 1 is planned, so every training mode is measured while it
+        trains (starting the ServerApp process takes seconds that would otherwise eat the window)."""
+        log = self.out / "logs" / "server.log"
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.lab.check_alive()
+            server = dict(self.lab.procs)["server"]
+            if server.poll() is not None:
+                raise UserError(f"the ServerApp exited with status {server.returncode} before round 1 (see {log})")
+            if log.is_file() and re.search(r"round 1: \S+ (trains|sits out)", log.read_text(errors="replace")):
+                return
+            time.sleep(0.25)
+        raise UserError(f"the ServerApp did not start round 1 within {timeout:.0f} s (see {log})")
 
     @property
     def ckpt_dir(self) -> Path:
