@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -40,7 +41,7 @@ from collm.common.procs import BIN_DIR
 from collm.common.traces import TraceScaling, load_trace, mean_rate
 
 from .bench_config import BenchConfig
-from .lab import BASE_CONFIGS, Lab, free_port, wait_http
+from .lab import BASE_CONFIGS, Lab, interrupt_on_signal, free_port, wait_http
 
 
 # ----------------------------------------------------------------------------- requests
@@ -101,7 +102,7 @@ def edge_configs(cfg: BenchConfig, mode: str, superlink: str, out: Path) -> list
         c["slo"] = {**c.get("slo", {}), "ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}
         c["data"] = {**c.get("data", {}), "categories": parts[i]}
         c["training"] = {**c.get("training", {}), "co_schedule": "naive" if mode == "colocated-naive" else "slo",
-                         "max_eval_records": cfg.eval_records}
+                         "max_eval_records": cfg.federation.eval_records}
         c["model"] = {**c["model"], "cpu_affinity": replica_cores(i, cfg.replicas)}
         c["federation"] = {"enabled": "train" in role, "superlink": superlink, "runtime_port": free_port()}
         c["state_dir"] = str(out / "state" / c["name"])
@@ -125,6 +126,7 @@ class ModeRun:
         self.cfg, self.mode, self.out = cfg, mode, out
         self.lab = Lab(out)
         self.superlink = f"127.0.0.1:{free_port()}"
+        self.lab.superlink = self.superlink  # so stop() also ends the ServerApp the SuperLink detached
         self.edges = edge_configs(cfg, mode, self.superlink, out)
         self.roles = dict(zip((e["name"] for e in self.edges), mode_roles(mode, cfg.replicas)))
         self.urls = {e["name"]: f"http://127.0.0.1:{e['api']['port']}" for e in self.edges}
@@ -359,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     from .bench_report import write_report
 
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt_on_signal)  # SIGTERM stops the mode's processes, like ^C
     cfg = load_config(BenchConfig, args.config, {"out": args.out} if args.out else None)
     out = Path(cfg.out).resolve()
     if out.exists():
@@ -380,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             tqdm.write(f"  {mode}: goodput {w['goodput_rps']:.3f} req/s, attainment {w['slo_attainment']:.3f}, "
                        f"rounds {results['modes'][mode]['rounds_completed']}, "
                        f"served loss {results['modes'][mode]['final_loss']:.4f}")
+            (out / "results.partial.json").write_text(json.dumps(results, indent=2))  # kept if a later mode fails
     results["wall_s"] = round(time.time() - t0, 1)
     paths = write_report(results, out)
     print(f"collm-bench: done in {results['wall_s']:.0f} s; report {paths['markdown']}", flush=True)

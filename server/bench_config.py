@@ -36,6 +36,8 @@ class FederationBudget(Strict):
     round_deadline_s: float = Field(20.0, gt=0)
     round_token_budget: int = Field(8000, ge=1)
     lr: float = Field(5e-4, gt=0)
+    eval_records: int = Field(8, ge=1, description="holdout records each edge evaluates the new global "
+                              "adapter on per round (the round waits for it)")
 
 
 class BenchConfig(Strict):

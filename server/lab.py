@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)  # stop the lab's processes on SIGTERM too, not only on ^C
+        signal.signal(signal.SIGTERM, interrupt_on_signal)  # stop the lab's processes on SIGTERM too, not only on ^C
     out = Path(args.out).resolve()
     if out.exists():
         shutil.rmtree(out)
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         lab.stop()
 
 
-def _interrupt(signum, frame) -> None:
+def interrupt_on_signal(signum, frame) -> None:
     raise KeyboardInterrupt
 
 

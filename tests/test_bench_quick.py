@@ -19,6 +19,8 @@ def bench(tmp_path_factory):
     proc = subprocess.run([str(BIN / "collm-bench"), "--config", "configs/bench-quick.yaml", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not leftovers, f"processes of the benchmark still running: {leftovers}"
     return out, json.loads((out / "results.json").read_text())
 
 
