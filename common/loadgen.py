@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from .slo import meets_slo
+
 
 @dataclass
 class Planned:
@@ -56,8 +58,7 @@ class Outcome:
 
     @property
     def slo_met(self) -> bool:
-        return (self.completed and self.ttft_s is not None and self.ttft_s <= self.ttft_slo_s
-                and (self.tpot_s or 0.0) <= self.tpot_slo_s)
+        return meets_slo(self.completed, self.ttft_s, self.tpot_s, self.ttft_slo_s, self.tpot_slo_s)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "slo_met": self.slo_met}

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import socket
 import sys
 
 from collm.common.config import EdgeConfig, dump_config, load_config
-from collm.common.errors import UserError, cli_entry
+from collm.common.errors import cli_entry
+from collm.common.listen import bind_listen_socket
 from collm.common.logs import setup_logging
 
 log = logging.getLogger("collm.edge")
@@ -50,12 +50,7 @@ def serve(cfg: EdgeConfig) -> int:
     from .api import create_app
     from .runtime import EdgeRuntime
 
-    sock = socket.socket(socket.AF_INET6 if ":" in cfg.api.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:  # bind before loading anything: a port clash is reported at once, on one line
-        sock.bind((cfg.api.host, cfg.api.port))
-    except OSError as e:
-        raise UserError(f"api.port: cannot listen on {cfg.api.host}:{cfg.api.port}: {e.strerror}") from None
+    sock = bind_listen_socket(cfg.api.host, cfg.api.port)  # before anything slow: a clash is one line
     rt = EdgeRuntime(cfg)
     app = create_app(rt)
     server = uvicorn.Server(uvicorn.Config(

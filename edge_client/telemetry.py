@@ -12,6 +12,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from collm.common.slo import meets_slo
+
 
 @dataclass(frozen=True)
 class RequestRecord:
@@ -35,8 +37,7 @@ class RequestRecord:
 
     @property
     def slo_met(self) -> bool:
-        return (self.completed and self.ttft_s is not None and self.ttft_s <= self.ttft_slo_s
-                and (self.tpot_s or 0.0) <= self.tpot_slo_s)
+        return meets_slo(self.completed, self.ttft_s, self.tpot_s, self.ttft_slo_s, self.tpot_slo_s)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "slo_met": self.slo_met}

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import socket
 import sys
 
 from collm.common.config import dump_config, load_config
-from collm.common.errors import UserError, cli_entry
+from collm.common.errors import cli_entry
+from collm.common.listen import bind_listen_socket
 from collm.common.logs import setup_logging
 
 from .router_config import RouterConfig
@@ -52,12 +52,7 @@ def serve(cfg: RouterConfig) -> int:
 
     from .router import create_app
 
-    sock = socket.socket(socket.AF_INET6 if ":" in cfg.api.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:  # bind before anything else: a port clash is reported at once, on one line
-        sock.bind((cfg.api.host, cfg.api.port))
-    except OSError as e:
-        raise UserError(f"api.port: cannot listen on {cfg.api.host}:{cfg.api.port}: {e.strerror}") from None
+    sock = bind_listen_socket(cfg.api.host, cfg.api.port)  # before anything slow: a clash is one line
     app = create_app(cfg)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.api.host, port=cfg.api.port, log_level="warning", access_log=False,
