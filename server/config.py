@@ -41,6 +41,8 @@ class BalancerConfig(Strict):
     min_edge_tokens: int = Field(256, ge=0, description="an edge offered fewer tokens sits the round out")
     spare_use: float = Field(0.8, gt=0, le=1, description="fraction of an edge's spare capacity training may use")
     lr: float = Field(2e-4, gt=0, description="local learning rate sent to the edges")
+    idle_wait_s: float = Field(15.0, ge=0, description="pause before the next round when no update was "
+                               "aggregated (every edge busy), instead of polling the edges back to back")
 
 
 class ServerConfig(Strict):

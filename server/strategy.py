@@ -247,7 +247,16 @@ class CollmRounds:
     # ------------------------------------------------------------------------------ evaluate
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        return super().configure_evaluate(self.real_round(server_round), arrays, config, grid)
+        r = self.real_round(server_round)
+        if not self._record(r)["kept"]:
+            # Nothing was aggregated: the global adapter is the one the edges already serve, so an
+            # evaluation would only take CPU from busy edges. Wait a little before asking again.
+            log(INFO, "round %d: the global adapter did not change; no evaluation, the edges keep "
+                "serving what they serve", r)
+            if r < self.server_cfg.rounds:
+                time.sleep(self.server_cfg.balancer.idle_wait_s)
+            return []
+        return super().configure_evaluate(r, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         r = self.real_round(server_round)

@@ -260,6 +260,7 @@ def test_no_edge_takes_part_skips_training(tmp_path):
     cfg = server_cfg(tmp_path, rounds=1)
     build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=1, timeout=30)
     assert grid.sent_of(MessageType.TRAIN) == []
+    assert grid.sent_of(MessageType.EVALUATE) == []  # nothing changed: the edges are not asked to evaluate
     ck = load_round(cfg.checkpoint_dir, 1)
     assert ck.metrics["training_skipped"] and ck.arrays == {}
     assert all(not d["take_part"] for d in ck.metrics["balancer"])
