@@ -2,8 +2,11 @@
 
 Each is a linear model over a few features, refit by least squares on the measurements of the
 last `max_age_s` seconds (so it follows the machine as it gets busier or quieter), pulled toward
-a prior and floored at zero. The prior is replaced by the warmup's fit once warmup has measured
-this machine, so an edge that has been idle for a while falls back to its own calibration.
+a prior and floored at zero. Warmup measures a few shapes on this machine and the prior becomes
+what they show (`adopt_fit_as_prior`): with fewer samples than `min_samples` (warmup's six step
+shapes cannot pin four correlated terms) that is the default prior scaled by the median ratio of
+measured to predicted time; so an edge that has been idle for a while falls back to its own
+calibration.
 
 * serving step:  t = c0 + c1 * decode_seqs + c2 * prefill_tokens + c3 * attended_kv_tokens / 1000
 * micro-batch:   t = c0 + c1 * tokens           (separate models for training and evaluation)

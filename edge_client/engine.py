@@ -373,7 +373,10 @@ class Engine:
 
     def _serve_step(self, segments: list[Segment]) -> None:
         by_slot = {r.slot: r for r in self._running}
-        decode = sum(1 for s in segments if len(s.tokens) == 1 and s.start > 0)
+        # a request's segment is a prefill chunk until its prompt is all in (a 1-token last chunk
+        # looks like a decode but is not one)
+        prefilling = {s.slot for s in segments if by_slot[s.slot].prefilled < len(by_slot[s.slot].prompt_ids)}
+        decode = sum(1 for s in segments if s.slot not in prefilling)
         prefill = sum(len(s.tokens) for s in segments) - decode
         attended = sum(s.start + len(s.tokens) for s in segments)
         t0 = time.perf_counter()
@@ -385,10 +388,9 @@ class Engine:
         now = time.perf_counter()
         self.costs.step.observe(step_features(decode, prefill, attended), now - t0)
         self.telemetry.record_step(now - t0, len(segments))
-        for s in segments:  # a request's segment is a prefill chunk until its prompt is all in
-            r = by_slot[s.slot]  # (a 1-token last chunk looks like a decode but is not one)
-            if r.prefilled < len(r.prompt_ids):
-                r.prefilled += len(s.tokens)
+        for s in segments:
+            if s.slot in prefilling:
+                by_slot[s.slot].prefilled += len(s.tokens)
         for r, tok in zip(wanting, tokens):
             self._on_token(r, tok, now)
 
