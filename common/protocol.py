@@ -33,3 +33,7 @@ REPORT_KEYS = ("request-rate", "slo-attainment", "spare-capacity", "queue-depth"
 TRAIN_KEYS = ("num-examples", "train-loss", "train-tokens", "train-steps", "deadline-hit", "seconds")
 EVAL_KEYS = ("num-examples", "eval-loss", "eval-accuracy", "adapter-version")
 UNKNOWN = -1.0
+
+# HTTP response headers of collm-edge, passed through by collm-router
+VERSION_HEADER = "X-CoLLM-Adapter-Version"  # the adapter version the request was admitted with
+EDGE_HEADER = "X-CoLLM-Edge"  # the edge that served it

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from collm.common.adapter_io import check_compatible, load_adapter
 from collm.common.errors import UserError
+from collm.common.protocol import EDGE_HEADER, VERSION_HEADER
 
 from .engine import AdmittedEvent, EngineError, FinishEvent, PromptTooLong, QueueFull, ShuttingDown, TokenEvent
 from .metrics import EdgeMetrics
@@ -29,8 +30,6 @@ from .runtime import EdgeRuntime
 from .sampling import SamplingParams
 from .trainer import TrainBudget
 
-VERSION_HEADER = "X-CoLLM-Adapter-Version"
-EDGE_HEADER = "X-CoLLM-Edge"
 
 
 class ApiError(Exception):

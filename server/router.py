@@ -46,16 +46,16 @@ from prometheus_client.core import GaugeMetricFamily
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from collm.common.protocol import EDGE_HEADER, VERSION_HEADER
+
 from .router_config import RouterConfig
 from .router_policy import Assumptions, Decision, Estimate, RequestView, choose, estimate
 from .router_state import EdgeState, scrape_from_metrics
 
 log = logging.getLogger("collm.router")
 
-VERSION_HEADER = "X-CoLLM-Adapter-Version"
-EDGE_HEADER = "X-CoLLM-Edge"
 ATTEMPTS_HEADER = "X-CoLLM-Router-Attempts"
-PASSED_HEADERS = ("content-type", "x-collm-adapter-version", "x-collm-edge", "retry-after", "cache-control")
+PASSED_HEADERS = ("content-type", VERSION_HEADER.lower(), EDGE_HEADER.lower(), "retry-after", "cache-control")
 FORWARDED_HEADERS = ("content-type", "accept", "authorization")
 
 # Prometheus names the router exports
@@ -184,7 +184,7 @@ class _EdgeGauges:
             outstanding.add_metric([e.name], float(e.outstanding))
             slack.add_metric([e.name], float("nan") if e.last_slack is None else e.last_slack)
         total = GaugeMetricFamily(HEALTHY_EDGES, "Edges being routed to")
-        total.add_metric([], float(sum(e.healthy for e in self.router.edges)))
+        total.add_metric([], float(self.router.healthy_count()))
         yield from (healthy, outstanding, slack, total)
 
 
@@ -229,7 +229,7 @@ class Router:
         self._pollers = [asyncio.create_task(self._poll_loop(e), name=f"collm-router-poll-{e.name}")
                          for e in self.edges]
         log.info("router %s: %d edges, policy %s, %d healthy now", self.cfg.name, len(self.edges),
-                 self.cfg.routing.policy, sum(e.healthy for e in self.edges))
+                 self.cfg.routing.policy, self.healthy_count())
 
     async def stop(self) -> None:
         for task in self._pollers:
@@ -281,7 +281,7 @@ class Router:
                 edge.scrape = scrape_from_metrics(metrics.text, at, outstanding_at)
             except KeyError as e:
                 log.warning("edge %s: /metrics lacks %s; routing on the router's own counts", edge.name, e)
-        edge.poll_ok(h, body)
+        edge.poll_ok(h)
 
     def healthy_count(self) -> int:
         return sum(e.healthy for e in self.edges)
@@ -381,12 +381,12 @@ class Router:
             edge.last_progress = time.monotonic()
             out_headers = self._headers(up, edge, attempt)
             status = up.status_code
+            if status in (429, 503):  # overloaded or not ready: leave it alone for a while either way
+                edge.cool_down(self.cfg.health.cooldown_s, f"answered {status}")
             if status >= 500 or (status == 429 and self.cfg.routing.retry_429):
                 content = await self._read_quietly(up)
                 self.metrics.failures.labels(edge.name, f"http_{status}").inc()
                 self.metrics.responses.labels(edge.name, f"{status // 100}xx").inc()
-                if status in (429, 503):
-                    edge.cool_down(self.cfg.health.cooldown_s, f"answered {status}")
                 raise _Failed(str(status), f"answered {status}", Response(content, status, out_headers))
             if status >= 400:
                 content = await up.aread()

@@ -64,8 +64,8 @@ class RoutingConfig(Strict):
     chars_per_token: float = Field(4.0, gt=0, description="prompt size estimate: characters per token")
     typical_output_tokens: int = Field(64, ge=1, description="prior of the output length of running requests "
                                                              "(then a moving average of what the edges returned)")
-    step_token_budget: int = Field(256, ge=2, description="the edges' engine.step_token_budget (not exported)")
-    edge_slo_safety: float = Field(0.8, gt=0, le=1, description="the edges' slo.safety (not exported)")
+    step_token_budget: int = Field(256, ge=2, description="engine.step_token_budget assumed until an edge's metrics are read")
+    edge_slo_safety: float = Field(0.8, gt=0, le=1, description="slo.safety assumed until an edge's metrics are read")
     default_max_running: int = Field(16, ge=1, description="assumed until an edge's metrics are read")
     default_ttft_ms: float = Field(2000.0, gt=0, description="TTFT target assumed until an edge's metrics are read")
     default_tpot_ms: float = Field(200.0, gt=0, description="TPOT target assumed until an edge's metrics are read")

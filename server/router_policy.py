@@ -78,6 +78,8 @@ class EdgeView:
     spare_capacity: float = 1.0  # sigma
     finish_rate: float = 0.0  # lam: finished requests per second over the edge's window
     unused_s: float = 0.0  # seconds since this router last sent the edge a request
+    step_token_budget: float | None = None  # B as the edge exports it (None: Assumptions' value)
+    slo_safety: float | None = None  # s as the edge exports it (None: Assumptions' value)
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class RequestView:
 
 @dataclass(frozen=True)
 class Assumptions:
-    """What the rule assumes about the edges that they do not export."""
+    """What the rule assumes about an edge until it exports its own values (older edges never do)."""
 
     step_token_budget: int = 256  # B
     slo_safety: float = 0.8  # s
@@ -133,7 +135,7 @@ def estimate(e: EdgeView, x: RequestView, a: Assumptions = Assumptions()) -> Est
     """TTFT^ and TPOT^ of request x on edge e (the formulas of the module docstring)."""
     c0, c1, c2, c3 = e.step_coef
     M = max(1.0, float(e.max_running))
-    B = a.step_token_budget
+    B = e.step_token_budget or a.step_token_budget
     n = edge_load(e)
     k = min(n, M)
     w = n - k
@@ -155,7 +157,7 @@ def estimate(e: EdgeView, x: RequestView, a: Assumptions = Assumptions()) -> Est
     T = x.ttft_target_s or e.ttft_target_s
     P = x.tpot_target_s or e.tpot_target_s
     bare = t_dec(min(k + 1, M))
-    tpot = min(bare * g, max(bare, a.slo_safety * P))
+    tpot = min(bare * g, max(bare, (e.slo_safety or a.slo_safety) * P))
     return Estimate(e.name, n, ttft, tpot, T, P)
 
 

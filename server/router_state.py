@@ -43,7 +43,8 @@ class Scrape:
     training_busy: float
     spare_capacity: float
     finish_rate: float
-    decode_step_s: float | None
+    step_token_budget: float | None  # None: an edge that does not export it (config default)
+    slo_safety: float | None
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -73,14 +74,13 @@ def scrape_from_metrics(text: str, at: float, outstanding_at: int) -> Scrape:
         return v
 
     coef = tuple(num(f'{M.STEP_COST}{{term="{t}"}}') for t in _TERMS)
-    pred = s.get(M.DECODE_STEP_PRED)
     return Scrape(
         at=at, outstanding_at=outstanding_at, queue_depth=num(M.QUEUE_DEPTH), running=num(M.RUNNING),
         max_running=num(M.MAX_RUNNING), step_coef=coef,  # type: ignore[arg-type]
         ttft_target_s=num(M.SLO_TTFT), tpot_target_s=num(M.SLO_TPOT),
         training_active=num(M.TRAINING_ACTIVE, 0.0) > 0, training_busy=num(M.TRAINING_BUSY, 0.0),
         spare_capacity=num(M.SPARE_CAPACITY, 1.0), finish_rate=num(M.REQUEST_RATE, 0.0),
-        decode_step_s=None if pred is None or math.isnan(pred) else pred)
+        step_token_budget=s.get(M.STEP_TOKEN_BUDGET), slo_safety=s.get(M.SLO_SAFETY))
 
 
 @dataclass
@@ -93,7 +93,6 @@ class EdgeState:
     cooldown_until: float = 0.0
     outstanding: int = 0
     scrape: Scrape | None = None
-    health: dict = field(default_factory=dict)
     last_slack: float | None = None
     last_sent: float = field(default_factory=time.monotonic)
     last_progress: float = 0.0  # monotonic time the edge last sent this router response bytes
@@ -110,8 +109,7 @@ class EdgeState:
         return (now if now is not None else time.monotonic()) < self.cooldown_until
 
     # ---------------------------------------------------------------- health transitions
-    def poll_ok(self, cfg: HealthConfig, health: dict) -> None:
-        self.health = health
+    def poll_ok(self, cfg: HealthConfig) -> None:
         self.good_polls += 1
         self.bad_polls = 0
         if not self.healthy and self.good_polls >= cfg.healthy_after:
@@ -158,11 +156,12 @@ class EdgeState:
                             unused_s=unused)
         if now - s.at > stale_after_s:  # keep what an old scrape says about the edge, not about its load
             return EdgeView(self.name, self.outstanding, max_running=s.max_running, step_coef=s.step_coef,
-                            ttft_target_s=s.ttft_target_s, tpot_target_s=s.tpot_target_s, unused_s=unused)
+                            ttft_target_s=s.ttft_target_s, tpot_target_s=s.tpot_target_s, unused_s=unused,
+                            step_token_budget=s.step_token_budget, slo_safety=s.slo_safety)
         return EdgeView(
             self.name, self.outstanding, s.outstanding_at, s.queue_depth, s.running, s.max_running, s.step_coef,
             s.ttft_target_s, s.tpot_target_s, s.training_active, s.training_busy, s.spare_capacity, s.finish_rate,
-            unused)
+            unused, s.step_token_budget, s.slo_safety)
 
     def describe(self) -> dict:
         s = self.scrape

@@ -10,7 +10,7 @@ import pytest
 from helpers import LiveEdge, random_adapter_state, tiny_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from collm.edge_client.api import VERSION_HEADER
+from collm.common.protocol import VERSION_HEADER
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,9 @@ def test_requests_spread_over_idle_edges(cluster):
     # all three serve; none takes the lion's share (they are alike, but share two noisy cores)
     assert set(by_edge) == {"e1", "e2", "e3"} and max(by_edge.values()) <= 20, (by_edge, views(router))
     assert all(r.headers["X-CoLLM-Adapter-Version"] == "0" for r in rs)
+    # the rule uses what each edge exports about itself, not the router config's defaults
+    scrape = router.edge("e1").scrape
+    assert (scrape.step_token_budget, scrape.slo_safety) == (256, 0.8)
 
 
 def test_a_busy_edge_is_avoided(cluster):

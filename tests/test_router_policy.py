@@ -159,3 +159,14 @@ def test_an_idle_edge_left_out_too_long_is_probed():
     assert choose("slo", [busy, fresh], X, random.Random(0), a=a).edge == "fresh"
     near = choose("slo", [replace(fresh, name="f2", unused_s=60.0), fresh], X, random.Random(0), a=a)
     assert near.why.startswith("p2c")
+
+
+def test_an_edges_exported_step_budget_and_safety_override_the_assumptions():
+    a = Assumptions(step_token_budget=512, slo_safety=0.8)
+    x = RequestView(1000, 16)
+    own = estimate(idle("a"), x, a)
+    small_chunks = estimate(EdgeView("a", 0, step_token_budget=64), x, a)
+    assert small_chunks.ttft_s > own.ttft_s  # 1000 prompt tokens in chunks of 64, not 512
+    busy = EdgeView("a", 3, queue_depth=0, running=3, training_active=True, training_busy=0.9, spare_capacity=0.1)
+    loose = estimate(replace(busy, slo_safety=1.0), x, a)
+    assert loose.tpot_s > estimate(busy, x, a).tpot_s  # training may stretch TPOT up to s*P
