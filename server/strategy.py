@@ -134,6 +134,9 @@ class CollmRounds:
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         r = self.real_round(server_round)
+        if r - 1 in self.history and not self.history[r - 1]["kept"]:
+            # the last round changed nothing (every edge busy): give the edges a while before asking again
+            time.sleep(self.server_cfg.balancer.idle_wait_s)
         rec = self._record(r)
         self._global = {k: v.numpy() for k, v in arrays.items()}
         base = list(super().configure_train(r, arrays, config, grid))
@@ -250,11 +253,9 @@ class CollmRounds:
         r = self.real_round(server_round)
         if not self._record(r)["kept"]:
             # Nothing was aggregated: the global adapter is the one the edges already serve, so an
-            # evaluation would only take CPU from busy edges. Wait a little before asking again.
+            # evaluation would only take CPU from busy edges.
             log(INFO, "round %d: the global adapter did not change; no evaluation, the edges keep "
                 "serving what they serve", r)
-            if r < self.server_cfg.rounds:
-                time.sleep(self.server_cfg.balancer.idle_wait_s)
             return []
         return super().configure_evaluate(r, arrays, config, grid)
 

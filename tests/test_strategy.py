@@ -6,6 +6,7 @@ The fake edges are real `ClientApp`s that follow the message protocol in
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from uuid import uuid4
 
@@ -264,6 +265,16 @@ def test_no_edge_takes_part_skips_training(tmp_path):
     ck = load_round(cfg.checkpoint_dir, 1)
     assert ck.metrics["training_skipped"] and ck.arrays == {}
     assert all(not d["take_part"] for d in ck.metrics["balancer"])
+
+
+def test_after_a_round_that_changed_nothing_the_next_waits_idle_wait_s(tmp_path):
+    grid = make_grid(idle={"attainment": 0.5}, busy={"attainment": 0.5})
+    cfg = server_cfg(tmp_path, rounds=2, balancer={"round_deadline_s": 10, "idle_wait_s": 1.0})
+    t0 = time.monotonic()
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=2, timeout=30)
+    assert time.monotonic() - t0 >= 1.0
+    assert grid.sent_of(MessageType.TRAIN) == [] and grid.sent_of(MessageType.EVALUATE) == []
+    assert len(grid.sent_of(MessageType.QUERY)) == 6  # both rounds still asked every edge for a report
 
 
 def test_resume_continues_from_last_complete_round(tmp_path):
