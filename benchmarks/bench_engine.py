@@ -43,6 +43,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from benchkit import table  # noqa: E402
+
+from collm.common.stats import percentile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = time.perf_counter()
@@ -52,18 +55,6 @@ QUIET = False
 def say(msg: str) -> None:
     if not QUIET:
         print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
-
-def pct(values, q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    if len(v) == 1:
-        return v[0]
-    x = q * (len(v) - 1)
-    lo = int(math.floor(x))
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (x - lo)
 
 
 def med(values) -> float | None:
@@ -91,17 +82,6 @@ def fmt(x, unit: str = "", nd: int = 2) -> str:
     if isinstance(x, float):
         return f"{x:.{nd}f}{unit}"
     return f"{x}{unit}"
-
-
-def table(headers: list[str], rows: list[list]) -> str:
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = []
-    for j, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(widths[i]) if i else c.ljust(widths[i]) for i, c in enumerate(r)))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def quiet_libraries() -> None:
@@ -380,7 +360,7 @@ def bench_kernels(which: str, args, dev: torch.device) -> dict:
     for (name, B, phase), samples in times.items():
         ts = [x for r_, x in samples if r_ in used_rounds[B]]
         out["results"].setdefault(phase, {}).setdefault(str(B), {})[name] = {
-            "median_ms": 1000 * med(ts), "min_ms": 1000 * min(ts), "p90_ms": 1000 * pct(ts, 0.9), "n": len(ts),
+            "median_ms": 1000 * med(ts), "min_ms": 1000 * min(ts), "p90_ms": 1000 * percentile(ts, 0.9), "n": len(ts),
             "median_all_rounds_ms": 1000 * med([x for _, x in samples])}
     # ratios
     rat = {}
@@ -583,7 +563,6 @@ def bench_swap(which: str, args, dev: torch.device) -> dict:
         say(f"[swap/{which}] {distinct}/{n_states} versions give distinct outputs for prompt 0")
 
         def run_phase(interval: float | None):
-            nonlocal version
             stop = threading.Event()
             results, errors = [], []
             lock = threading.Lock()
@@ -716,7 +695,7 @@ def bench_swap(which: str, args, dev: torch.device) -> dict:
            "alive_versions_at_end": alive, "mixed_version_decode_b8": mixed,
            "margin_control_same_vs_other_version": ctrl, "margin_tolerance": tol, "phases": {}}
     for label, a in agg.items():
-        ms = lambda xs, q: None if not xs else 1000 * pct(xs, q)  # noqa: E731
+        ms = lambda xs, q: None if not xs else 1000 * percentile(xs, q)  # noqa: E731
         out["phases"][label] = {
             "interval_ms": None if a["interval_s"] is None else 1000 * a["interval_s"],
             "requests": a["requests"], "tokens_per_s": a["tokens"] / a["seconds"],
@@ -729,23 +708,23 @@ def bench_swap(which: str, args, dev: torch.device) -> dict:
             "gap_outside_swap_p50_ms": ms(a["gaps_clear"], 0.5),
             "gap_outside_swap_p99_ms": ms(a["gaps_clear"], 0.99),
             "publish_p50_ms": ms(a["publish_s"], 0.5), "publish_p99_ms": ms(a["publish_s"], 0.99),
-            "copy_p50_ms": ms(a["copy_s"], 0.5), "flip_p50_us": None if not a["flip_s"] else 1e6 * pct(a["flip_s"], .5),
-            "flip_p99_us": None if not a["flip_s"] else 1e6 * pct(a["flip_s"], 0.99),
+            "copy_p50_ms": ms(a["copy_s"], 0.5), "flip_p50_us": None if not a["flip_s"] else 1e6 * percentile(a["flip_s"], .5),
+            "flip_p99_us": None if not a["flip_s"] else 1e6 * percentile(a["flip_s"], 0.99),
             "mismatch_checked": a["mismatch_checked"], "mismatch_greedy_consistent": a["mismatch_explained"],
             "mismatch_max_margin": max(a["mismatch_margins"], default=None),
             "mismatch_first_token_repeated": a["mismatch_first_token_repeated"],
             "steps": len(a["steps"]),
             "versions_per_step_mean": (sum(x[2] for x in a["steps"]) / len(a["steps"])) if a["steps"] else None,
             "step_ms_by_versions": {
-                str(nv): {"n": len(ds), "p50_ms": 1000 * pct(ds, 0.5)}
+                str(nv): {"n": len(ds), "p50_ms": 1000 * percentile(ds, 0.5)}
                 for nv in sorted({x[2] for x in a["steps"] if x[3] == 8})
                 for ds in [[x[1] - x[0] for x in a["steps"] if x[2] == nv and x[3] == 8]]},
         }
         if a["interval_s"] is not None:
             p = out["phases"][label]
-            p["added_pause_p50_ms_vs_no_swap"] = (p["gap_during_swap_p50_ms"] - 1000 * pct(base_gaps, 0.5)
+            p["added_pause_p50_ms_vs_no_swap"] = (p["gap_during_swap_p50_ms"] - 1000 * percentile(base_gaps, 0.5)
                                                   if a["gaps_swap"] else None)
-            p["added_pause_p99_ms_vs_no_swap"] = (p["gap_during_swap_p99_ms"] - 1000 * pct(base_gaps, 0.99)
+            p["added_pause_p99_ms_vs_no_swap"] = (p["gap_during_swap_p99_ms"] - 1000 * percentile(base_gaps, 0.99)
                                                   if a["gaps_swap"] else None)
             p["added_pause_p99_ms_vs_outside"] = (p["gap_during_swap_p99_ms"] - p["gap_outside_swap_p99_ms"]
                                                   if a["gaps_swap"] and a["gaps_clear"] else None)
@@ -865,9 +844,9 @@ def bench_cosched(args, dev: torch.device) -> dict:
             rate = n_count / (fin[n_warm + n_count - 1][0] - fin[n_warm - 1][0])
             lvl = {"concurrency": c, "rate_rps": rate, "requests": len(counted),
                    "slo_attainment": sum(r.slo_met for r in counted) / len(counted),
-                   "ttft_p50_s": pct([r.ttft_s for r in counted], 0.5),
-                   "tpot_p50_s": pct([r.tpot_s for r in counted if r.tpot_s], 0.5),
-                   "tpot_p99_s": pct([r.tpot_s for r in counted if r.tpot_s], 0.99)}
+                   "ttft_p50_s": percentile([r.ttft_s for r in counted], 0.5),
+                   "tpot_p50_s": percentile([r.tpot_s for r in counted if r.tpot_s], 0.5),
+                   "tpot_p99_s": percentile([r.tpot_s for r in counted if r.tpot_s], 0.99)}
             sweep.append(lvl)
             say(f"[{label}] {rate:.3f} req/s, SLO attainment {lvl['slo_attainment']:.2f}, ttft p50 "
                 f"{lvl['ttft_p50_s']:.2f} s, tpot p50 {fmt(lvl['tpot_p50_s'], '', 3)} s")
@@ -975,10 +954,10 @@ def bench_cosched(args, dev: torch.device) -> dict:
                 "rate_rps": rate, "mode": mode, "with_training": with_training, "arrivals": n, "rejected": rejected,
                 "completed": sum(r.completed for r in recs), "slo_met": met,
                 "slo_attainment": met / n if n else None, "slo_attainment_ci95": wilson(met, n),
-                "ttft_p50_s": pct([r.ttft_s for r in recs if r.ttft_s is not None], 0.5),
-                "ttft_p99_s": pct([r.ttft_s for r in recs if r.ttft_s is not None], 0.99),
-                "tpot_p50_s": pct([r.tpot_s for r in recs if r.tpot_s], 0.5),
-                "tpot_p99_s": pct([r.tpot_s for r in recs if r.tpot_s], 0.99),
+                "ttft_p50_s": percentile([r.ttft_s for r in recs if r.ttft_s is not None], 0.5),
+                "ttft_p99_s": percentile([r.ttft_s for r in recs if r.ttft_s is not None], 0.99),
+                "tpot_p50_s": percentile([r.tpot_s for r in recs if r.tpot_s], 0.5),
+                "tpot_p99_s": percentile([r.tpot_s for r in recs if r.tpot_s], 0.99),
                 "ttft_miss": sum(1 for r in recs if r.ttft_s is None or r.ttft_s > r.ttft_slo_s),
                 "tpot_miss": sum(1 for r in recs if (r.tpot_s or 0) > r.tpot_slo_s),
                 "window_s": win, "drain_s": t_drained - t_arrivals_end,

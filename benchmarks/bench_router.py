@@ -41,7 +41,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import random
 import signal
@@ -55,6 +54,9 @@ from pathlib import Path
 
 import httpx
 import yaml
+from benchkit import table
+
+from collm.common.stats import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = time.perf_counter()
@@ -69,27 +71,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    x = q * (len(v) - 1)
-    lo = int(math.floor(x))
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (x - lo)
-
-
-def table(headers: list[str], rows: list[list]) -> str:
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = []
-    for j, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(widths[i]) if i else c.ljust(widths[i]) for i, c in enumerate(r)))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180, want=lambda r: True) -> None:
@@ -266,12 +247,12 @@ def summarize(results: list[dict], ttft_s: float, tpot_s: float) -> dict:
         "failed": sum(1 for r in results if not (r["status"] == 200 and r["complete"])),
         "attainment": len(good) / len(results), "goodput_rps": len(good) / span, "span_s": span,
         "throughput_rps": len(done) / span,
-        "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
-        "tpot_p50_s": pct(tpots, 0.5), "tpot_p99_s": pct(tpots, 0.99),
+        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
+        "tpot_p50_s": percentile(tpots, 0.5), "tpot_p99_s": percentile(tpots, 0.99),
         "ttft_miss": sum(1 for r in done if r["ttft"] > ttft_s),
         "tpot_miss": sum(1 for r in done if r["tpot"] > tpot_s),
         "retried": sum(1 for r in results if r.get("attempts", 1) > 1),
-        "late_send_p99_s": pct([r["sent"] for r in results], 0.99),
+        "late_send_p99_s": percentile([r["sent"] for r in results], 0.99),
         "by_edge": dict(sorted(edges.items())),
     }
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from .slo import meets_slo
+from .stats import percentile
 
 
 @dataclass
@@ -130,13 +130,6 @@ def replay(plan: list[Planned], url: str | Callable[[int], str], timeout_s: floa
     return asyncio.run(run_open_loop(plan, url, timeout_s))
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
-
-
 def summarize(outcomes: list[Outcome], window_s: float) -> dict:
     done = [o for o in outcomes if o.completed]
     ttft = [o.ttft_s for o in done if o.ttft_s is not None]
@@ -148,7 +141,7 @@ def summarize(outcomes: list[Outcome], window_s: float) -> dict:
         "slo_met": good, "slo_attainment": good / len(outcomes) if outcomes else None,
         "goodput_rps": good / window_s if window_s > 0 else None,
         "throughput_rps": len(done) / window_s if window_s > 0 else None,
-        **{f"ttft_p{q}": _pct(ttft, q / 100) for q in (50, 90, 99)},
-        **{f"tpot_p{q}": _pct(tpot, q / 100) for q in (50, 90, 99)},
-        **{f"e2e_p{q}": _pct(e2e, q / 100) for q in (50, 90, 99)},
+        **{f"ttft_p{q}": percentile(ttft, q / 100) for q in (50, 90, 99)},
+        **{f"tpot_p{q}": percentile(tpot, q / 100) for q in (50, 90, 99)},
+        **{f"e2e_p{q}": percentile(e2e, q / 100) for q in (50, 90, 99)},
     }

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from collm.common.slo import meets_slo
+from collm.common.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,6 @@ class RequestRecord:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "slo_met": self.slo_met}
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
 
 
 class Telemetry:
@@ -126,12 +120,12 @@ class Telemetry:
             "completed_rate": len(done) / span,
             "goodput": sum(r.slo_met for r in done) / span,
             "slo_attainment": (sum(r.slo_met for r in done) / len(done)) if done else None,
-            "ttft_p50": _percentile([r.ttft_s for r in done if r.ttft_s is not None], 0.5),
-            "ttft_p99": _percentile([r.ttft_s for r in done if r.ttft_s is not None], 0.99),
-            "tpot_p50": _percentile([r.tpot_s for r in done if r.tpot_s], 0.5),
-            "tpot_p99": _percentile([r.tpot_s for r in done if r.tpot_s], 0.99),
-            "step_p50_s": _percentile(step_times, 0.5),
-            "step_p99_s": _percentile(step_times, 0.99),
+            "ttft_p50": percentile([r.ttft_s for r in done if r.ttft_s is not None], 0.5),
+            "ttft_p99": percentile([r.ttft_s for r in done if r.ttft_s is not None], 0.99),
+            "tpot_p50": percentile([r.tpot_s for r in done if r.tpot_s], 0.5),
+            "tpot_p99": percentile([r.tpot_s for r in done if r.tpot_s], 0.99),
+            "step_p50_s": percentile(step_times, 0.5),
+            "step_p99_s": percentile(step_times, 0.99),
             "batch_mean": (sum(b for _, _, b in steps) / len(steps)) if steps else 0.0,
             "serving_busy_frac": min(serve_busy / span, 1.0),
             "training_busy_frac": min(train_busy / span, 1.0),
