@@ -70,12 +70,12 @@ class ModelConfig(Strict):
     @model_validator(mode="after")
     def _source_fields(self) -> ModelConfig:
         if self.cpu_affinity is not None:
-            import os
+            from .procs import usable_cpus
 
-            have = os.cpu_count() or 1
-            bad = [c for c in self.cpu_affinity if not 0 <= c < have]
+            have = usable_cpus()
+            bad = [c for c in self.cpu_affinity if c not in have]
             if bad or not self.cpu_affinity:
-                raise ValueError(f"cpu_affinity {self.cpu_affinity} must list cores between 0 and {have - 1}")
+                raise ValueError(f"cpu_affinity {self.cpu_affinity} must list cores this process may use: {have}")
         if self.source == "local":
             if not self.path:
                 raise ValueError("source 'local' needs `path`: a Hugging Face model directory")

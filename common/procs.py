@@ -8,10 +8,27 @@ unless this interpreter's bin folder comes first on PATH.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 BIN_DIR = Path(sys.executable).parent  # console scripts and flwr binaries of this environment
+FLOWER_QUIET = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}  # unless set explicitly
+
+
+def usable_cpus() -> list[int]:
+    """The cores this process may run on (a container's cpuset, not the host's core count)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def quiet_flower() -> None:
+    """Flower's telemetry and update check off in this process (flwr code called in-process)."""
+    for k, v in FLOWER_QUIET.items():
+        os.environ.setdefault(k, v)
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -22,10 +39,37 @@ def child_env(**extra: str) -> dict[str, str]:
     path = env.get("PATH", "")
     if str(BIN_DIR) not in path.split(os.pathsep):
         env["PATH"] = f"{BIN_DIR}{os.pathsep}{path}" if path else str(BIN_DIR)
-    env.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    env.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    env.update({k: v for k, v in FLOWER_QUIET.items() if k not in env})
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("MALLOC_ARENA_MAX", "2")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes (not zombies, not this one) whose command line contains `text`: how a lab
+    finds what the SuperLink detached into sessions of its own (SuperExec, ServerApp)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
+                if (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    pids.append(int(cmdline.parent.name))
+        except (OSError, IndexError):
+            continue
+    return pids
+
+
+def end_stragglers(text: str, grace_s: float) -> list[int]:
+    """Wait up to `grace_s` for the processes mentioning `text` to end (they watch their parent),
+    then SIGKILL the rest; returns those that had to be killed."""
+    deadline = time.time() + grace_s
+    while (left := processes_mentioning(text)) and time.time() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left

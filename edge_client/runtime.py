@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 
 import torch
 

@@ -33,15 +33,17 @@ from pathlib import Path
 import httpx
 import yaml
 
+from collm.common import metric_names as M
 from collm.common.config import EdgeConfig, load_config
 from collm.common.data import Record, categories, load_records, partition_by_category, split_holdout
 from collm.common.errors import UserError, cli_entry
 from collm.common.loadgen import Planned, replay, summarize
-from collm.common.procs import BIN_DIR
-from collm.common.traces import TraceScaling, load_trace, mean_rate
+from collm.common.procs import BIN_DIR, usable_cpus
+from collm.common.traces import TraceScaling, load_trace
 
 from .bench_config import BenchConfig
-from .lab import BASE_CONFIGS, Lab, interrupt_on_signal, free_port, wait_http
+from .lab import BASE_CONFIGS, Lab, free_port, interrupt_on_signal, wait_http
+from .router_state import parse_prometheus
 
 
 # ----------------------------------------------------------------------------- requests
@@ -112,11 +114,11 @@ def edge_configs(cfg: BenchConfig, mode: str, superlink: str, out: Path) -> list
 
 def replica_cores(i: int, n: int) -> list[int]:
     """The cores replica i of n is pinned to: each replica its own share, like separate devices."""
-    ncpu = os.cpu_count() or 1
-    if n >= ncpu:
-        return [i % ncpu]
-    per = ncpu // n
-    return list(range(i * per, (i + 1) * per))
+    cpus = usable_cpus()
+    if n >= len(cpus):
+        return [cpus[i % len(cpus)]]
+    per = len(cpus) // n
+    return cpus[i * per:(i + 1) * per]
 
 
 class ModeRun:
@@ -135,16 +137,15 @@ class ModeRun:
         self._stop = threading.Event()
 
     def start(self) -> None:
-        bin_dir = BIN_DIR
         if self.trains:
-            self.lab.spawn("superlink", [str(bin_dir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
+            self.lab.spawn("superlink", [str(BIN_DIR / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
                                          "--port", self.superlink.split(":")[1],
                                          "--disable-runtime-dependency-installation"])
         for e in self.edges:
             path = self.out / f"{e['name']}.yaml"
             path.write_text(yaml.safe_dump(e))
             load_config(EdgeConfig, path)
-            self.lab.spawn(e["name"], [str(bin_dir / "collm-edge"), "--config", str(path)])
+            self.lab.spawn(e["name"], [str(BIN_DIR / "collm-edge"), "--config", str(path)])
         for name, url in self.urls.items():
             wait_http(url + "/health", self.lab, 900 if self.cfg.model == "bundled" else 120, f"edge {name}")
         serving = [e for e in self.edges if "serve" in self.roles[e["name"]]]
@@ -154,17 +155,17 @@ class ModeRun:
                 "edges": [{"name": e["name"], "url": self.urls[e["name"]]} for e in serving],
                 "routing": {"policy": policy}}
         (self.out / "router.yaml").write_text(yaml.safe_dump(rcfg))
-        self.lab.spawn("router", [str(bin_dir / "collm-router"), "--config", str(self.out / "router.yaml")])
+        self.lab.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(self.out / "router.yaml")])
         self.router = f"http://127.0.0.1:{router_port}"
         wait_http(self.router + "/health", self.lab, 60, "collm-router")
         self.model_id = httpx.get(self.router + "/v1/models").json()["data"][0]["id"]
         if self.trains:
-            self._start_server(bin_dir)
+            self._start_server()
             self._wait_first_round()
         if self.mode == "isolated":
             threading.Thread(target=self._reload_serving_replicas, daemon=True).start()
 
-    def _start_server(self, bin_dir: Path) -> None:
+    def _start_server(self) -> None:
         f = self.cfg.federation
         trainers = [e for e in self.edges if e["federation"]["enabled"]]
         server = yaml.safe_load(Path("configs/server.yaml").read_text())
@@ -174,7 +175,7 @@ class ModeRun:
         server["balancer"].update({"round_deadline_s": f.round_deadline_s, "round_token_budget": f.round_token_budget,
                                    "lr": f.lr, "mode": "slo" if self.mode == "collm" else "uniform"})
         (self.out / "server.yaml").write_text(yaml.safe_dump(server))
-        self.lab.spawn("server", [str(bin_dir / "collm-server"), "--insecure", "--superlink", self.superlink,
+        self.lab.spawn("server", [str(BIN_DIR / "collm-server"), "--insecure", "--superlink", self.superlink,
                                   "-c", f'config="{self.out / "server.yaml"}"'])
 
     def _wait_first_round(self, timeout: float = 300) -> None:
@@ -232,9 +233,13 @@ class QualityJudge:
 
         base = load_config(EdgeConfig, BASE_CONFIGS[cfg.model])
         lm = load_model(base.model)
+        from collm.common.data import format_example
+
         self.engine = Engine(lm, base)  # not started: evaluation runs synchronously here
-        per_cat = max(1, cfg.eval_records // max(1, len(self._records_by_category())))
-        self.records = [r for rs in self._records_by_category().values() for r in rs[:per_cat]]
+        by_cat = self._records_by_category()
+        per_cat = max(1, cfg.eval_records // max(1, len(by_cat)))
+        self.records = [r for rs in by_cat.values() for r in rs[:per_cat]]
+        self.examples = [format_example(lm.tokenizer, r, base.training.max_seq_len) for r in self.records]
 
     @staticmethod
     def _records_by_category() -> dict[str, list[Record]]:
@@ -245,14 +250,12 @@ class QualityJudge:
         return out
 
     def loss(self, state: dict | None) -> float:
-        from collm.common.data import format_example
         from collm.edge_client.trainer import EvalJob
 
         eng = self.engine
-        examples = [format_example(eng.tokenizer, r, eng.cfg.training.max_seq_len) for r in self.records]
         weights = eng.shadow.current if state is None else eng.layers.serving_weights(state, -1, eng.device,
                                                                                        eng.lm.dtype)
-        job = EvalJob(eng.lm.model, weights, examples, 8, eng.tokenizer.pad_token_id, eng.device)
+        job = EvalJob(eng.lm.model, weights, self.examples, 8, eng.tokenizer.pad_token_id, eng.device)
         job.start()
         while not job.done():
             job.run(job.options()[0])
@@ -288,12 +291,11 @@ def run_mode(cfg: BenchConfig, mode: str, out: Path, judge: QualityJudge, base_l
         run.start()
         result["startup_s"] = round(time.time() - t0, 1)
         time.sleep(cfg.warmup_s)
-        base_rate = mean_rate(load_trace(cfg.trace.path, TraceScaling(speed=cfg.trace.speed, start_s=cfg.trace.start_s,
-                                                                      duration_s=cfg.window_s * cfg.trace.speed)))
         plan = plan_window(cfg, run.model_id, cfg.trace.start_s, cfg.window_s, cfg.trace.speed, prompts)
         t_window = time.time()
         outcomes = replay(plan, run.router)
-        result["window"] = {**summarize(outcomes, cfg.window_s), "rate": base_rate, "seconds": cfg.window_s}
+        result["window"] = {**summarize(outcomes, cfg.window_s), "rate": len(plan) / cfg.window_s,
+                            "seconds": cfg.window_s}
         bar.update(1)
         result["versions_served"] = sorted({o.adapter_version for o in outcomes if o.adapter_version is not None})
         sweep = []
@@ -319,13 +321,11 @@ def run_mode(cfg: BenchConfig, mode: str, out: Path, judge: QualityJudge, base_l
 
 
 def training_totals(run: ModeRun) -> dict:
-    """Training tokens the replicas processed (from their /metrics), and per second of the run."""
+    """Training tokens the replicas processed (from their /metrics)."""
     tokens = 0.0
     for url in run.urls.values():
         try:
-            for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-                if line.startswith("collm_training_tokens_total "):
-                    tokens += float(line.split()[1])
+            tokens += parse_prometheus(httpx.get(url + "/metrics", timeout=5).text).get(M.TRAIN_TOKENS, 0.0)
         except httpx.HTTPError:
             pass
     return {"tokens": tokens}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -30,53 +31,53 @@ def write_report(results: dict, out: Path) -> dict[str, Path]:
     return paths
 
 
-def _plots(results: dict, paths: dict) -> None:
+@contextmanager
+def _figure(path, title: str):
+    """One 6x3.5 in chart: yields its axes, then titles, lays out, saves at 120 dpi and closes it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    try:
+        yield ax
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def _plots(results: dict, paths: dict) -> None:
     modes = results["modes"]
     names = list(modes)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    vals = [modes[m]["window"]["goodput_rps"] or 0.0 for m in names]
-    bars = ax.bar(names, vals, color=["#2b7bba" if m == "collm" else "#9aa5b1" for m in names])
-    ax.bar_label(bars, fmt="%.2f")
-    ax.set_ylabel("goodput (req/s meeting every SLO)")
-    ax.set_title("Goodput per deployment, same replicas and trace")
-    fig.tight_layout()
-    fig.savefig(paths["goodput_png"], dpi=120)
-    plt.close(fig)
+    with _figure(paths["goodput_png"], "Goodput per deployment, same replicas and trace") as ax:
+        vals = [modes[m]["window"]["goodput_rps"] or 0.0 for m in names]
+        bars = ax.bar(names, vals, color=["#2b7bba" if m == "collm" else "#9aa5b1" for m in names])
+        ax.bar_label(bars, fmt="%.2f")
+        ax.set_ylabel("goodput (req/s meeting every SLO)")
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for m in names:
-        pts = sorted((p["rate"], p["slo_attainment"] or 0.0) for p in modes[m]["sweep"])
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
-    target = results["config"]["sweep"]["target_attainment"]
-    ax.axhline(target, color="grey", linestyle="--", linewidth=1)
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("SLO attainment")
-    ax.set_ylim(0, 1.05)
-    ax.legend()
-    ax.set_title("SLO attainment against request rate")
-    fig.tight_layout()
-    fig.savefig(paths["sweep_png"], dpi=120)
-    plt.close(fig)
+    with _figure(paths["sweep_png"], "SLO attainment against request rate") as ax:
+        for m in names:
+            pts = sorted((p["rate"], p["slo_attainment"] or 0.0) for p in modes[m]["sweep"])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        ax.axhline(results["config"]["sweep"]["target_attainment"], color="grey", linestyle="--", linewidth=1)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("SLO attainment")
+        ax.set_ylim(0, 1.05)
+        ax.legend()
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for m in names:
-        pts = modes[m]["served_loss"]
-        end = modes[m].get("wall_s") or max(p["t"] for p in pts)
-        xs = [max(p["t"], 0.0) for p in pts] + [end]
-        ys = [p["loss"] for p in pts] + [pts[-1]["loss"]]
-        ax.step(xs, ys, where="post", label=m)
-    ax.set_xlabel("seconds after the window started")
-    ax.set_ylabel("served adapter: held-out loss")
-    ax.legend()
-    ax.set_title("Quality of the served model over time")
-    fig.tight_layout()
-    fig.savefig(paths["loss_png"], dpi=120)
-    plt.close(fig)
+    with _figure(paths["loss_png"], "Quality of the served model over time") as ax:
+        for m in names:
+            pts = modes[m]["served_loss"]
+            end = modes[m].get("wall_s") or max(p["t"] for p in pts)
+            xs = [max(p["t"], 0.0) for p in pts] + [end]
+            ys = [p["loss"] for p in pts] + [pts[-1]["loss"]]
+            ax.step(xs, ys, where="post", label=m)
+        ax.set_xlabel("seconds after the window started")
+        ax.set_ylabel("served adapter: held-out loss")
+        ax.legend()
 
 
 def _markdown(results: dict, paths: dict) -> str:

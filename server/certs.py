@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from collm.common.errors import UserError, cli_entry
+from collm.common.procs import quiet_flower
 
 DEFAULT_EDGES = ("edge1", "edge2", "edge3")
 DEFAULT_SANS = ("DNS:localhost", "DNS:superlink", "IP:127.0.0.1")
@@ -290,8 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    quiet_flower()
     if args.command == "make":
         paths = make_certs(args.out, args.edges, args.san, args.days)
         print(f"certs: CA {paths['ca']}; SuperLink {paths['superlink_cert']} + {paths['superlink_key']}")

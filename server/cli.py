@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from collm.common.errors import UserError, cli_entry
+from collm.common.procs import quiet_flower
 
 FINISHED = "finished"
 
@@ -44,8 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    quiet_flower()
     with _as_user_error():
         fab = build_fab(Path(args.app))
         client = connect(args.superlink, args.insecure, args.root_certificates)

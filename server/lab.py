@@ -40,7 +40,7 @@ import yaml
 from collm.common.config import EdgeConfig, load_config
 from collm.common.data import categories, load_records, partition_by_category
 from collm.common.errors import UserError, cli_entry
-from collm.common.procs import BIN_DIR, child_env
+from collm.common.procs import BIN_DIR, child_env, end_stragglers, usable_cpus
 
 from .certs import make_certs, register_nodes
 
@@ -92,34 +92,7 @@ class Lab:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(5)
         if self.superlink:
-            _end_stragglers(self.superlink, time.time() + 15)
-
-
-def _end_stragglers(address: str, deadline: float) -> None:
-    """The SuperLink's SuperExec and a running ServerApp live in sessions of their own and end
-    a few seconds after the SuperLink (they watch their parent): wait for them, then SIGKILL."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return
-
-    def mentioning() -> list[int]:
-        pids = []
-        for cmdline in proc.glob("[0-9]*/cmdline"):
-            try:
-                if address.encode() in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
-                    if (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                        pids.append(int(cmdline.parent.name))
-            except (OSError, IndexError):
-                continue
-        return pids
-
-    while (left := mentioning()) and time.time() < deadline:
-        time.sleep(0.2)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            end_stragglers(self.superlink, 15)
 
 
 def edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: str | None,
@@ -144,7 +117,7 @@ def edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: str |
         if cache_dir:
             cfg["model"]["cache_dir"] = cache_dir
         # N edges share this machine's cores: oversubscribed torch threads spin and stall each other
-        cfg["model"]["threads"] = max(1, (os.cpu_count() or 1) // n)
+        cfg["model"]["threads"] = max(1, len(usable_cpus()) // n)
         configs.append(cfg)
     return configs
 
@@ -234,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    bin_dir = BIN_DIR
     superlink = f"127.0.0.1:{free_port()}"
 
     server_cfg = yaml.safe_load(Path(args.server_config).read_text())
@@ -266,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if certs:
             tls = ["--ssl-ca-certfile", str(certs["ca"]), "--ssl-certfile", str(certs["superlink_cert"]),
                    "--ssl-keyfile", str(certs["superlink_key"]), "--enable-supernode-auth"]
-        lab.spawn("superlink", [str(bin_dir / "flower-superlink"), *tls, "--host", "127.0.0.1", "--port",
+        lab.spawn("superlink", [str(BIN_DIR / "flower-superlink"), *tls, "--host", "127.0.0.1", "--port",
                                 superlink.split(":")[1], "--disable-runtime-dependency-installation"])
         if certs:
             wait_http(f"https://{superlink}/health", lab, 60, "flower-superlink (TLS)", ca=certs["ca"])
@@ -275,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[lab] TLS + SuperNode auth: {name} registered as node {node_id} "
                       f"(key {certs[name]})", flush=True)
         for cfg in edges:
-            lab.spawn(cfg["name"], [str(bin_dir / "collm-edge"), "--config", str(out / f"{cfg['name']}.yaml")])
+            lab.spawn(cfg["name"], [str(BIN_DIR / "collm-edge"), "--config", str(out / f"{cfg['name']}.yaml")])
         urls = [f"http://127.0.0.1:{cfg['api']['port']}" for cfg in edges]
         for cfg, url in zip(edges, urls):
             print(f"[lab] {cfg['name']}: {url}  categories={cfg['data']['categories']}", flush=True)
@@ -287,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             rcfg = {"api": {"host": "127.0.0.1", "port": router_port},
                     "edges": [{"name": c["name"], "url": u} for c, u in zip(edges, urls)]}
             (out / "router.yaml").write_text(yaml.safe_dump(rcfg))
-            lab.spawn("router", [str(bin_dir / "collm-router"), "--config", str(out / "router.yaml")])
+            lab.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(out / "router.yaml")])
             targets = [f"http://127.0.0.1:{router_port}"]
             wait_http(targets[0] + "/health", lab, 60, "collm-router")
             print(f"[lab] router: {targets[0]}", flush=True)
@@ -298,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[lab] all up in {time.time() - t_start:.0f} s; running {args.rounds} rounds"
               + (f" under {args.load:g} req/s" if load else ""), flush=True)
         server_tls = ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
-        server = lab.spawn("server", [str(bin_dir / "collm-server"), *server_tls, "--superlink", superlink,
+        server = lab.spawn("server", [str(BIN_DIR / "collm-server"), *server_tls, "--superlink", superlink,
                                       "-c", f'config="{out / "server.yaml"}"'])
         _follow(out / "logs" / "server.log", server, lab)
         if load:

@@ -33,6 +33,7 @@ import pytest
 import yaml
 
 from collm.common.config import EdgeConfig, load_config
+from collm.common.procs import processes_mentioning
 from collm.server.certs import make_certs
 from collm.server.config import load_server_config
 from collm.server.router_config import RouterConfig
@@ -511,19 +512,6 @@ class NativeCompose:
                 os.killpg(proc.pid, signal.SIGKILL)
         for pid in processes_mentioning(str(self.root)):  # the SuperExec detaches into its own session
             os.kill(pid, signal.SIGKILL)
-
-
-def processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if text.encode() in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
-                stat = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()
-                if stat[0] != "Z":
-                    pids.append(int(cmdline.parent.name))
-        except (OSError, IndexError):
-            continue
-    return pids
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ import pytest
 from flwr.common.config import parse_config_args
 from flwr.common.constant import ErrorCode
 
+from collm.common.procs import end_stragglers, processes_mentioning
 from collm.edge_client.flower_executor import SuperNodeExecutor, format_node_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,34 +156,11 @@ def _alive(pid: int | None) -> bool:
     return pid is not None and (stat := _proc_stat(pid)) is not None and stat[0] != "Z"
 
 
-def _processes_mentioning(address: str) -> list[int]:
-    """Live processes whose command line holds `address`: the SuperLink, the SuperExec it
-    detaches into its own session, the ServerApp process, SuperNodes (the port is ours alone)."""
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(address.encode() in arg for arg in args) and _alive(int(cmdline.parent.name)):
-            pids.append(int(cmdline.parent.name))
-    return pids
-
-
 def _stop_superlink(proc: subprocess.Popen, address: str, grace: float = 10.0) -> list[int]:
-    """SIGTERM the SuperLink and wait for it and its children; SIGKILL any that stay.
-
-    Returns the processes that were still there after `grace` seconds.
-    """
+    """SIGTERM the SuperLink and wait for it and what it detached (the address is ours alone);
+    SIGKILL any that stay. Returns the processes that were still there after `grace` seconds."""
     proc.terminate()
-    deadline = time.monotonic() + grace
-    while (left := _processes_mentioning(address)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    left = end_stragglers(address, grace)
     proc.wait(5)
     return left
 
@@ -242,7 +220,7 @@ def _run_federation(home: Path) -> SimpleNamespace:
     finally:
         for executor in executors:
             executor.stop(timeout=5)
-        if superlink.poll() is None or _processes_mentioning(address):
+        if superlink.poll() is None or processes_mentioning(address):
             _stop_superlink(superlink, address, grace=5.0)
     summary = json.loads(summary.group(1))
     timings = {"superlink-up-s": round(t_superlink, 1), "collm-server-wall-s": round(t_run, 1),

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from collm.common.procs import processes_mentioning
 from collm.server.certs import make_certs
 from collm.server.lab import edge_configs
 
@@ -33,18 +34,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if text.encode() in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
-                if (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    pids.append(int(cmdline.parent.name))
-        except (OSError, IndexError):
-            continue
-    return pids
 
 
 def _wait_for(lines: list[str], pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
@@ -122,7 +111,7 @@ def lab(tmp_path_factory):
                 proc.kill()
                 proc.wait(10)
         reader.join(10)
-        result.leftovers = _processes_mentioning(str(base))
+        result.leftovers = processes_mentioning(str(base))
         for pid in result.leftovers:
             os.kill(pid, signal.SIGKILL)
     result.stdout = "".join(lines)
