@@ -119,7 +119,7 @@ def test_requests_spread_over_idle_edges(cluster):
     assert all(r.headers["X-CoLLM-Adapter-Version"] == "0" for r in rs)
     # the rule uses what each edge exports about itself, not the router config's defaults
     scrape = router.edge("e1").scrape
-    assert (scrape.step_token_budget, scrape.slo_safety) == (256, 0.8)
+    assert (scrape.step_token_budget, scrape.slo_safety) == (TINY["engine"]["step_token_budget"], 0.8)
 
 
 def test_a_busy_edge_is_avoided(cluster):
