@@ -2,7 +2,7 @@
 
 For each model (tiny, bundled SmolLM2) and each mode (serving alone; serving with local training
 co-scheduled in the SLO slack), a fresh `collm-edge` process is started and driven over real HTTP
-by open-loop Poisson load (collm.common.loadgen). The rate grows by `--growth` until attainment
+by open-loop Poisson load (collm.lab.loadgen). The rate grows by `--growth` until attainment
 falls below the target, then a few bisection steps narrow it down. Client-side TTFT/TPOT decide
 the SLO. All four searches run in the same invocation, so the ratios compare like with like.
 
@@ -25,7 +25,7 @@ import httpx
 import yaml
 
 from collm.common.data import load_records
-from collm.common.loadgen import poisson_schedule, replay, summarize
+from collm.lab.loadgen import poisson_schedule, replay, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {

@@ -166,8 +166,8 @@ def note_during(label: str, share: float) -> None:
 
 
 def load_lm(which: str, device: str, dtype: str):
-    from collm.common.config import ModelConfig
-    from collm.common.models import load_model
+    from collm.edge_client.config import ModelConfig
+    from collm.edge_client.model.loading import load_model
 
     return load_model(ModelConfig(source="tiny" if which == "tiny" else "bundled", device=device, dtype=dtype))
 
@@ -245,7 +245,7 @@ class _OursVariant:
         self.toks: list[int] = []
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        from collm.edge_client.model_runner import Segment
+        from collm.edge_client.model.runner import Segment
 
         segs = [Segment(i, 0, p, self.adapter, True) for i, p in enumerate(prompts)]
         logits = self.runner.forward(segs, self.pool)
@@ -254,7 +254,7 @@ class _OursVariant:
         return logits
 
     def decode(self) -> None:
-        from collm.edge_client.model_runner import Segment
+        from collm.edge_client.model.runner import Segment
 
         segs = [Segment(i, self.pos, [t], self.adapter, True) for i, t in enumerate(self.toks)]
         self.toks = self.runner.forward(segs, self.pool).argmax(-1).tolist()
@@ -269,8 +269,8 @@ def bench_kernels(which: str, args, dev: torch.device) -> dict:
     from peft import get_peft_model, set_peft_model_state_dict
 
     from collm.common.config import LORA_TARGETS_LLAMA
-    from collm.edge_client.lora import inject_lora
-    from collm.edge_client.model_runner import ModelRunner
+    from collm.edge_client.model.lora import inject_lora
+    from collm.edge_client.model.runner import ModelRunner
 
     r, alpha = 8, 16.0  # as in configs/edge-*.yaml
     P = 128
@@ -434,7 +434,8 @@ class _TimedLayers:
 
 
 def _engine_cfg(which: str, device: str, dtype: str, extra: dict | None = None):
-    from collm.common.config import EdgeConfig, deep_merge, load_config, validate_config
+    from collm.common.config import deep_merge, load_config, validate_config
+    from collm.edge_client.config import EdgeConfig
 
     over = {"model": {"device": device, "dtype": dtype}}
     if extra:
@@ -457,7 +458,7 @@ def _mixed_version_steps(eng, states, dev, rounds: int) -> dict:
     Runs on the engine's pool before the engine starts (slots 0-7, context 64); segments are sorted
     by version as the engine's planner does, so each version is one contiguous row group.
     """
-    from collm.edge_client.model_runner import Segment
+    from collm.edge_client.model.runner import Segment
 
     ws = [eng.layers.serving_weights(states[i % len(states)], 1000 + i, eng.device, eng.lm.dtype) for i in range(8)]
     g = torch.Generator().manual_seed(3)
@@ -489,7 +490,7 @@ def _greedy_margin(eng, w, prompt: list[int], out_ids: list[int]) -> float:
     ~0 means every emitted token was a greedy choice of version `w` (a mismatch with the reference is
     then a near-tie flipped by batch-dependent rounding); a large value means some token was not.
     """
-    from collm.edge_client.lora import ServingBinding, bind
+    from collm.edge_client.model.lora import ServingBinding, bind
 
     ids = torch.tensor([prompt + out_ids[:-1]], device=eng.device)
     with torch.inference_mode(), bind(ServingBinding([(0, ids.numel(), w)])):
@@ -500,9 +501,9 @@ def _greedy_margin(eng, w, prompt: list[int], out_ids: list[int]) -> float:
 
 def bench_swap(which: str, args, dev: torch.device) -> dict:
     from collm.common.data import chat_prompt_ids
-    from collm.common.models import load_model
+    from collm.edge_client.model.loading import load_model
     from collm.edge_client.engine import Engine, EngineError, FinishEvent, TokenEvent
-    from collm.edge_client.sampling import SamplingParams
+    from collm.edge_client.model.sampling import SamplingParams
 
     quick = args.quick
     n_clients = 8
@@ -777,11 +778,11 @@ def print_swap(res: dict) -> None:
 
 # =============================================================================== 3. co-scheduling
 def bench_cosched(args, dev: torch.device) -> dict:
-    from collm.common.data import load_edge_data
-    from collm.common.models import load_model
+    from collm.edge_client.training.data import load_edge_data
+    from collm.edge_client.model.loading import load_model
     from collm.edge_client.engine import Engine, EngineError, FinishEvent
-    from collm.edge_client.sampling import SamplingParams
-    from collm.edge_client.trainer import TrainBudget
+    from collm.edge_client.model.sampling import SamplingParams
+    from collm.edge_client.training.trainer import TrainBudget
 
     quick = args.quick
     cfg = _engine_cfg("smollm2", args.device, args.dtype)
@@ -1072,11 +1073,11 @@ def materialize(model: torch.nn.Module) -> None:
 
 def mem_child(role: str, args) -> None:
     """One child process of section 4; prints one line `MEMRESULT {json}`."""
-    from collm.common.data import load_edge_data
-    from collm.common.models import load_model
+    from collm.edge_client.training.data import load_edge_data
+    from collm.edge_client.model.loading import load_model
     from collm.edge_client.engine import Engine
-    from collm.edge_client.sampling import SamplingParams
-    from collm.edge_client.trainer import TrainBudget
+    from collm.edge_client.model.sampling import SamplingParams
+    from collm.edge_client.training.trainer import TrainBudget
 
     quick = args.quick
     st0 = proc_status()
@@ -1281,7 +1282,7 @@ def main(argv=None) -> int:
         QUIET = True
         mem_child(args.mem_role, args)
         return 0
-    from collm.common.models import resolve_device
+    from collm.edge_client.model.loading import resolve_device
 
     dev = resolve_device(args.device)
     args.device = dev.type

@@ -144,7 +144,7 @@ def start_router(policy: str, edges: list[tuple[Proc, str]], workdir: Path, args
            "routing": {"policy": policy, "step_token_budget": args.step_token_budget, "seed": 0}}
     path = workdir / f"router-{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    p = Proc(f"router-{policy}", [sys.executable, "-m", "collm.server.router_cli", "--config", str(path)], workdir)
+    p = Proc(f"router-{policy}", [sys.executable, "-m", "collm.router.cli", "--config", str(path)], workdir)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", p.proc, p.log, 60, want=lambda r: r.json()["healthy_edges"] == len(edges))
     return p, url

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import LoraConfig
-from .errors import UserError
+from collm.common.config import LoraConfig
+from collm.common.errors import UserError
 
 PREFIX = "base_model.model."
 CONFIG_FILE = "adapter_config.json"

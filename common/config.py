@@ -1,4 +1,7 @@
-"""Typed configuration: YAML files parsed into pydantic models.
+"""Typed configuration: YAML files parsed into pydantic models (the loader and the shared sections).
+
+Each process keeps its own config next to it (`collm.edge_client.config`, `collm.server.config`,
+`collm.router.config`, `collm.lab.bench_config`); this module has what they share.
 
 Unknown keys are errors. Every validation error becomes one line that names the file, the
 field path, the bad value and what is expected, e.g.
@@ -11,12 +14,12 @@ Relative paths inside a config are resolved against the current working director
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import UserError
+from collm.common.errors import UserError
 
 LORA_TARGETS_LLAMA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -27,65 +30,7 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
-# ----------------------------------------------------------------------------- model
-class TinyModelConfig(Strict):
-    """A random Llama built from these sizes (tests and CI); deterministic for a given seed."""
-
-    hidden_size: int = Field(64, ge=8)
-    intermediate_size: int = Field(128, ge=8)
-    num_hidden_layers: int = Field(2, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
-    max_position_embeddings: int = Field(1024, ge=16)
-    vocab_size: int = Field(512, ge=300, description="BPE vocabulary size of the local tokenizer")
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> TinyModelConfig:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        return self
-
-
-class ModelConfig(Strict):
-    """Where the base model comes from and how it is held in memory."""
-
-    source: Literal["tiny", "bundled", "local", "hub"] = "tiny"
-    path: str | None = Field(None, description="local Hugging Face directory (source: local)")
-    gguf_file: str | None = Field(None, description="GGUF file name inside `path` (optional)")
-    hub_id: str | None = Field(None, description="Hugging Face hub id (source: hub)")
-    hub_timeout_s: float = Field(5.0, gt=0, description="give up on the hub after this long")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    quantization: Literal["none", "nf4", "int8"] = "none"
-    cache_dir: str = Field("~/.cache/collm", description="converted models are cached here")
-    threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: one per core); with "
-                                                       "several edges on one machine give each cores/edges")
-    cpu_affinity: list[int] | None = Field(None, description="pin this edge to these CPU cores (e.g. one edge "
-                                                             "per core, like separate devices on one machine)")
-    tiny: TinyModelConfig = TinyModelConfig()
-
-    @model_validator(mode="after")
-    def _source_fields(self) -> ModelConfig:
-        if self.cpu_affinity is not None:
-            from .procs import usable_cpus
-
-            have = usable_cpus()
-            bad = [c for c in self.cpu_affinity if c not in have]
-            if bad or not self.cpu_affinity:
-                raise ValueError(f"cpu_affinity {self.cpu_affinity} must list cores this process may use: {have}")
-        if self.source == "local":
-            if not self.path:
-                raise ValueError("source 'local' needs `path`: a Hugging Face model directory")
-            if not Path(self.path).expanduser().is_dir():
-                raise ValueError(f"path {self.path!r} is not a directory")
-        if self.source == "hub" and not self.hub_id:
-            raise ValueError("source 'hub' needs `hub_id`, e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
-        return self
-
-
+# ----------------------------------------------------------------------------- shared sections
 class LoraConfig(Strict):
     """The LoRA adapter trained on the edges and served unmerged."""
 
@@ -97,112 +42,6 @@ class LoraConfig(Strict):
     @property
     def scaling(self) -> float:
         return self.alpha / self.r
-
-
-# ----------------------------------------------------------------------------- edge
-class EngineConfig(Strict):
-    """Continuous batching limits of one replica."""
-
-    max_running: int = Field(16, ge=1, description="requests decoding at once")
-    max_queue: int = Field(256, ge=0, description="requests waiting for admission; more get 429")
-    kv_cache_mb: float = Field(256.0, gt=0, description="KV memory reserved for running requests")
-    step_token_budget: int = Field(256, ge=16, description="tokens per forward step (prefill chunking)")
-    max_context: int | None = Field(None, ge=16, description="prompt + output limit; default: model's")
-    default_max_tokens: int = Field(128, ge=1)
-    warmup: bool = Field(True, description="measure step costs at start before serving")
-
-
-class SLOConfig(Strict):
-    """Default service-level objectives of this edge; a request may override them."""
-
-    ttft_ms: float = Field(2000.0, gt=0, description="time to first token")
-    tpot_ms: float = Field(200.0, gt=0, description="time per output token after the first")
-    safety: float = Field(0.8, gt=0, le=1, description="fraction of each SLO the scheduler plans to use")
-
-
-class DataConfig(Strict):
-    """The edge's local instruction data and its holdout split."""
-
-    path: str | None = Field(None, description="JSONL of instruction records; default: bundled Dolly subset")
-    categories: list[str] | None = Field(None, description="keep only these categories (non-IID edge)")
-    iid_shards: int | None = Field(None, ge=1, description="split into this many IID shards ...")
-    iid_shard_index: int = Field(0, ge=0, description="... and keep this one")
-    holdout_fraction: float = Field(0.1, gt=0, lt=1)
-    max_records: int | None = Field(None, ge=1)
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _check(self) -> DataConfig:
-        if self.path is not None and not Path(self.path).expanduser().is_file():
-            raise ValueError(f"path {self.path!r} does not exist")
-        if self.iid_shards is not None and self.iid_shard_index >= self.iid_shards:
-            raise ValueError("iid_shard_index must be smaller than iid_shards")
-        return self
-
-
-class TrainingConfig(Strict):
-    """Local LoRA training: micro-batches co-scheduled inside the SLO slack."""
-
-    lr: float = Field(2e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    micro_batch_size: int = Field(2, ge=1, description="sequences per micro-batch")
-    grad_accum_steps: int = Field(4, ge=1, description="micro-batches per optimizer step")
-    max_seq_len: int = Field(256, ge=16)
-    reset_optimizer_each_round: bool = True
-    co_schedule: Literal["slo", "naive"] = Field(
-        "slo", description="slo: micro-batches only in SLO slack, preemptible (CoLLM); naive: a full micro-batch "
-                           "after every serving step, never preempted (the baseline without SLO control)")
-    default_round_tokens: int = Field(4096, ge=1, description="round budget when the server assigns none")
-    eval_batch_size: int = Field(4, ge=1)
-    max_eval_records: int | None = Field(64, ge=1, description="cap on holdout records per evaluation")
-
-
-class ApiConfig(Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
-    shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: let in-flight requests finish")
-    admin: bool = Field(False, description="enable /admin/* (local training, evaluation, adapter loading)")
-
-
-class FederationConfig(Strict):
-    """How this edge takes part in Flower rounds (a child flower-supernode; tasks run in-process)."""
-
-    enabled: bool = False
-    superlink: str = Field("127.0.0.1:8000", pattern=r"^[^\s:]+:\d+$", description="SuperLink host:port")
-    runtime_port: int = Field(9094, ge=1, le=65535, description="the SuperNode's runtime API (127.0.0.1 only)")
-    insecure: bool = Field(True, description="plain HTTP to the SuperLink; false = TLS")
-    root_certificates: str | None = Field(None, description="CA file to verify the SuperLink (TLS)")
-    auth_private_key: str | None = Field(None, description="SuperNode key (OpenSSH ECDSA) for node authentication")
-    node_config: dict[str, str | int | float | bool] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _tls(self) -> FederationConfig:
-        for field in ("root_certificates", "auth_private_key"):
-            path = getattr(self, field)
-            if path is not None and not Path(path).expanduser().is_file():
-                raise ValueError(f"{field} {path!r} does not exist")
-        if self.insecure and (self.root_certificates or self.auth_private_key):
-            raise ValueError("root_certificates / auth_private_key need TLS: set insecure: false")
-        return self
-
-
-class EdgeConfig(Strict):
-    """Configuration of one `collm-edge` process."""
-
-    name: str = Field("edge0", pattern=r"^[A-Za-z0-9_.-]+$")
-    model: ModelConfig = ModelConfig()
-    lora: LoraConfig = LoraConfig()
-    engine: EngineConfig = EngineConfig()
-    slo: SLOConfig = SLOConfig()
-    data: DataConfig = DataConfig()
-    training: TrainingConfig = TrainingConfig()
-    api: ApiConfig = ApiConfig()
-    federation: FederationConfig = FederationConfig()
-    state_dir: str = Field("state/{name}", description="adapters and local state; {name} = edge name")
-
-    @property
-    def resolved_state_dir(self) -> Path:
-        return Path(self.state_dir.format(name=self.name)).expanduser()
 
 
 # ----------------------------------------------------------------------------- loading

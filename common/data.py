@@ -14,8 +14,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import DataConfig
-from .errors import UserError
+from collm.common.errors import UserError
 
 FIELDS = ("instruction", "context", "response", "category")
 
@@ -99,32 +98,6 @@ def split_holdout(records: list[Record], fraction: float, seed: int = 0) -> tupl
         h = int(hashlib.sha256(f"{seed}:{r.key}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
         (hold if h < fraction else train).append(r)
     return train, hold
-
-
-@dataclass
-class EdgeData:
-    train: list[Record]
-    holdout: list[Record]
-
-
-def load_edge_data(cfg: DataConfig) -> EdgeData:
-    """The records this edge trains and evaluates on, as its data config selects them."""
-    records = load_records(cfg.path)
-    if cfg.categories:
-        known = set(categories(records))
-        unknown = [c for c in cfg.categories if c not in known]
-        if unknown:
-            raise UserError(f"data.categories: unknown {unknown}; available: {sorted(known)}")
-        records = [r for r in records if r.category in cfg.categories]
-    if cfg.iid_shards:
-        records = partition_iid(records, cfg.iid_shards, cfg.seed)[cfg.iid_shard_index]
-    if cfg.max_records:
-        records = records[: cfg.max_records]
-    train, holdout = split_holdout(records, cfg.holdout_fraction, cfg.seed)
-    if not train or not holdout:
-        raise UserError(f"data: {len(records)} records leave an empty train or holdout split; "
-                        "add records or change data.holdout_fraction")
-    return EdgeData(train=train, holdout=holdout)
 
 
 # ----------------------------------------------------------------------------- formatting

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from .errors import UserError
+from collm.common.errors import UserError
 
 
 def bind_listen_socket(host: str, port: int, field: str = "api.port") -> socket.socket:

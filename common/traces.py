@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-from .errors import UserError
+from collm.common.errors import UserError
 
 
 @dataclass(frozen=True)

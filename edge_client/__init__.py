@@ -1,1 +1,1 @@
-"""edge_client"""
+"""collm-edge: one edge replica that serves and trains on one base model (engine, model, training, serve, federation)."""

@@ -12,7 +12,8 @@ import logging
 import signal
 import sys
 
-from collm.common.config import EdgeConfig, dump_config, load_config
+from collm.common.config import dump_config, load_config
+from collm.edge_client.config import EdgeConfig
 from collm.common.errors import cli_entry
 from collm.common.listen import bind_listen_socket
 from collm.common.logs import setup_logging
@@ -47,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 def serve(cfg: EdgeConfig) -> int:
     import uvicorn
 
-    from .api import create_app
-    from .runtime import EdgeRuntime
+    from collm.edge_client.serve.api import create_app
+    from collm.edge_client.runtime import EdgeRuntime
 
     sock = bind_listen_socket(cfg.api.host, cfg.api.port)  # before anything slow: a clash is one line
     rt = EdgeRuntime(cfg)
@@ -72,10 +73,10 @@ def serve(cfg: EdgeConfig) -> int:
 def answer_once(cfg: EdgeConfig, prompt: str, max_tokens: int) -> int:
     """Load the model, answer one chat prompt greedily through the engine, print the answer."""
     from collm.common.data import chat_prompt_ids
-    from collm.common.models import load_model
+    from collm.edge_client.model.loading import load_model
 
-    from .engine import Engine
-    from .sampling import SamplingParams
+    from collm.edge_client.engine import Engine
+    from collm.edge_client.model.sampling import SamplingParams
 
     lm = load_model(cfg.model)
     engine = Engine(lm, cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"warmup": False})}))

@@ -18,11 +18,11 @@ import time
 import torch
 
 from collm.common.adapter_io import load_adapter, save_adapter
-from collm.common.config import EdgeConfig
-from collm.common.data import load_edge_data
-from collm.common.models import load_model
+from collm.edge_client.config import EdgeConfig
+from collm.edge_client.training.data import load_edge_data
+from collm.edge_client.model.loading import load_model
 
-from .engine import Engine
+from collm.edge_client.engine import Engine
 
 log = logging.getLogger("collm.edge")
 
@@ -77,8 +77,8 @@ class EdgeRuntime:
 
     def start_federation(self) -> None:
         """Start a child flower-supernode whose tasks run in this process, on this engine."""
-        from .flower_client import FederatedEdge
-        from .flower_executor import SuperNodeExecutor
+        from collm.edge_client.federation.client import FederatedEdge
+        from collm.edge_client.federation.executor import SuperNodeExecutor
 
         f = self.cfg.federation
         self.federated = FederatedEdge(self)

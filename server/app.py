@@ -17,9 +17,9 @@ from flwr.supercore import log
 
 from collm.common.errors import UserError
 
-from .checkpoints import check_lora_matches, latest_complete_round, load_all_metrics, load_round
-from .config import ServerConfig, load_server_config
-from .strategy import build_strategy
+from collm.server.checkpoints import check_lora_matches, latest_complete_round, load_all_metrics, load_round
+from collm.server.config import ServerConfig, load_server_config
+from collm.server.strategy import build_strategy
 
 app = ServerApp()
 

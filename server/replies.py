@@ -8,7 +8,7 @@ from flwr.app import Message
 
 from collm.common.protocol import EDGE_NAME, IDENTITY, UNKNOWN
 
-from .balancer import EdgeReport
+from collm.server.balancer import EdgeReport
 
 
 def edge_name(msg: Message) -> str | None:

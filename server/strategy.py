@@ -32,11 +32,11 @@ from flwr.supercore import log
 
 from collm.common import protocol as P
 
-from .balancer import BalancerParams, Decision, EdgeReport, balance
-from .checkpoints import write_round
-from .config import ServerConfig
-from .replies import edge_name, parse_report
-from .robust import Update, screen_updates
+from collm.server.balancer import BalancerParams, Decision, EdgeReport, balance
+from collm.server.checkpoints import write_round
+from collm.server.config import ServerConfig
+from collm.server.replies import edge_name, parse_report
+from collm.server.robust import Update, screen_updates
 
 
 class CollmRounds:

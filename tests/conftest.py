@@ -24,21 +24,21 @@ def _quiet_transformers():
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
-    from collm.common.config import ModelConfig
+    from collm.edge_client.config import ModelConfig
 
     return ModelConfig(source="tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_cfg):
-    from collm.common.models import load_model
+    from collm.edge_client.model.loading import load_model
 
     return load_model(tiny_cfg)
 
 
 @pytest.fixture(scope="session")
 def smollm2_lm():
-    from collm.common.config import ModelConfig
-    from collm.common.models import load_model
+    from collm.edge_client.config import ModelConfig
+    from collm.edge_client.model.loading import load_model
 
     return load_model(ModelConfig(source="bundled"))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from collm.common.config import EdgeConfig, deep_merge, validate_config
-from collm.common.data import chat_prompt_ids, load_edge_data
-from collm.common.models import load_model
+from collm.common.config import deep_merge, validate_config
+from collm.edge_client.config import EdgeConfig
+from collm.common.data import chat_prompt_ids
+from collm.edge_client.training.data import load_edge_data
+from collm.edge_client.model.loading import load_model
 from collm.edge_client.engine import Engine
-from collm.edge_client.lora import TrainableAdapter
+from collm.edge_client.model.lora import TrainableAdapter
 
 TINY = {
     "name": "t",
@@ -59,7 +61,7 @@ class LiveEdge:
 
         import uvicorn
 
-        from collm.edge_client.api import create_app
+        from collm.edge_client.serve.api import create_app
         from collm.edge_client.runtime import EdgeRuntime
 
         self.runtime = EdgeRuntime(cfg)

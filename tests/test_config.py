@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from collm.common.config import EdgeConfig, load_config
+from collm.common.config import load_config
+from collm.edge_client.config import EdgeConfig
 from collm.common.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,15 +1,8 @@
 """Dolly records, category (non-IID) and IID partitions, holdout split, traces."""
 
-from collm.common.config import DataConfig
-from collm.common.data import (
-    categories,
-    format_example,
-    load_edge_data,
-    load_records,
-    partition_by_category,
-    partition_iid,
-    split_holdout,
-)
+from collm.edge_client.config import DataConfig
+from collm.common.data import categories, format_example, load_records, partition_by_category, partition_iid, split_holdout
+from collm.edge_client.training.data import load_edge_data
 from collm.common.traces import TraceScaling, load_trace, mean_rate
 
 

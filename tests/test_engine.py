@@ -7,12 +7,12 @@ import pytest
 import torch
 from helpers import base_fingerprint, prompt, random_adapter_state, tiny_engine
 
-from collm.edge_client.cost_model import FixedCosts
+from collm.edge_client.engine.cost_model import FixedCosts
 from collm.edge_client.engine import FinishEvent, PromptTooLong, QueueFull, TokenEvent
-from collm.edge_client.lora import ServingBinding, bind
-from collm.edge_client.model_runner import Segment
-from collm.edge_client.sampling import SamplingParams
-from collm.edge_client.trainer import TrainBudget
+from collm.edge_client.model.lora import ServingBinding, bind
+from collm.edge_client.model.runner import Segment
+from collm.edge_client.model.sampling import SamplingParams
+from collm.edge_client.training.trainer import TrainBudget
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["What is the capital of France?", "Name three birds.", "Why is the sky blue?",
@@ -262,7 +262,7 @@ def test_adapter_roundtrips_through_peft(tmp_path):
     from peft import PeftModel
 
     from collm.common.adapter_io import load_adapter, save_adapter
-    from collm.common.models import load_model
+    from collm.edge_client.model.loading import load_model
 
     eng = tiny_engine(start=False)
     state = random_adapter_state(eng, 5, scale=0.2)

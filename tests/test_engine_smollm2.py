@@ -2,11 +2,13 @@
 
 import pytest
 
-from collm.common.config import EdgeConfig, validate_config
-from collm.common.data import chat_prompt_ids, load_edge_data
+from collm.common.config import validate_config
+from collm.edge_client.config import EdgeConfig
+from collm.common.data import chat_prompt_ids
+from collm.edge_client.training.data import load_edge_data
 from collm.edge_client.engine import Engine
-from collm.edge_client.sampling import SamplingParams
-from collm.edge_client.trainer import TrainBudget
+from collm.edge_client.model.sampling import SamplingParams
+from collm.edge_client.training.trainer import TrainBudget
 
 pytestmark = pytest.mark.slow
 

@@ -28,7 +28,7 @@ from flwr.common.config import parse_config_args
 from flwr.common.constant import ErrorCode
 
 from collm.common.procs import end_stragglers, processes_mentioning
-from collm.edge_client.flower_executor import SuperNodeExecutor, format_node_config
+from collm.edge_client.federation.executor import SuperNodeExecutor, format_node_config
 
 REPO = Path(__file__).resolve().parents[1]
 TESTAPP = Path(__file__).with_name("flower_testapp")
@@ -81,7 +81,7 @@ def test_a_supernode_that_dies_is_restarted_and_stop_ends_it():
 
 _HOST = """\
 import sys, time
-from collm.edge_client.flower_executor import SuperNodeExecutor
+from collm.edge_client.federation.executor import SuperNodeExecutor
 executor = SuperNodeExecutor(None, superlink=sys.argv[1], runtime_port=int(sys.argv[2]), node_config={}).start()
 while executor.supernode_pid is None:
     time.sleep(0.05)

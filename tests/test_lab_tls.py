@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from collm.common.procs import processes_mentioning
-from collm.server.certs import make_certs
-from collm.server.lab import edge_configs
+from collm.lab.certs import make_certs
+from collm.lab.lab import edge_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -2,7 +2,7 @@
 
 from helpers import LiveEdge, tiny_config
 
-from collm.common.loadgen import Planned, poisson_schedule, replay, summarize
+from collm.lab.loadgen import Planned, poisson_schedule, replay, summarize
 
 
 def test_open_loop_replay_measures_latencies_and_goodput(tmp_path):

@@ -5,10 +5,10 @@ import time
 import pytest
 import torch
 
-from collm.common.config import ModelConfig
+from collm.edge_client.config import ModelConfig
 from collm.common.data import chat_prompt_ids
 from collm.common.errors import UserError
-from collm.common.models import build_tiny_tokenizer, load_model
+from collm.edge_client.model.loading import build_tiny_tokenizer, load_model
 
 
 def test_tiny_model_is_deterministic_and_frozen(tiny_lm, tiny_cfg):

@@ -91,7 +91,7 @@ def cluster(tmp_path_factory):
 
 def views(router, x=None) -> str:
     """The router's current estimates per edge (for assertion messages)."""
-    from collm.server.router_policy import RequestView, estimate
+    from collm.router.policy import RequestView, estimate
 
     x = x or RequestView(3, 4)
     out = []

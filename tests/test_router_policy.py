@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from collm.server.router_policy import (Assumptions, EdgeView, RequestView, choose, edge_load, estimate)
+from collm.router.policy import (Assumptions, EdgeView, RequestView, choose, edge_load, estimate)
 
 COEF = (0.003, 0.0005, 2e-5, 0.0015)  # about what the tiny model measures on a CPU
 

@@ -19,8 +19,8 @@ from helpers import free_port
 
 from collm.common import metric_names as M
 from collm.common.config import validate_config
-from collm.server.router import create_app
-from collm.server.router_config import RouterConfig
+from collm.router.app import create_app
+from collm.router.config import RouterConfig
 
 
 def serve_in_thread(app, port: int = 0, lifespan: str = "off"):
@@ -382,7 +382,7 @@ def test_metrics_name_every_edge(router, fakes):
 def test_cli_config_errors_are_one_line(tmp_path):
     bad = tmp_path / "router.yaml"
     bad.write_text("edges:\n  - {name: a, url: 'localhost:1'}\nrouting: {policy: fastest}\n")
-    p = subprocess.run([sys.executable, "-m", "collm.server.router_cli", "--config", str(bad)], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "collm.router.cli", "--config", str(bad)], capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
@@ -390,7 +390,7 @@ def test_cli_config_errors_are_one_line(tmp_path):
         f"error: {bad}: edges.0.url: expected an http:// or https:// URL such as http://127.0.0.1:8081, "
         "got 'localhost:1'",
         f"error: {bad}: routing.policy: expected 'slo', 'round_robin' or 'least_outstanding', got 'fastest'"]
-    p = subprocess.run([sys.executable, "-m", "collm.server.router_cli", "--config", "configs/router.yaml", "--check"],
+    p = subprocess.run([sys.executable, "-m", "collm.router.cli", "--config", "configs/router.yaml", "--check"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "policy: slo" in p.stdout and "http://127.0.0.1:8083" in p.stdout
 
@@ -403,7 +403,7 @@ def test_cli_serves_and_exits_zero_on_sigterm(tmp_path, fakes):
     port = free_port()
     cfg = tmp_path / "router.yaml"
     cfg.write_text(yaml.safe_dump(router_config([(e.name, e.url) for e in fakes], api={"port": port})))
-    proc = subprocess.Popen([sys.executable, "-m", "collm.server.router_cli", "--config", str(cfg)],
+    proc = subprocess.Popen([sys.executable, "-m", "collm.router.cli", "--config", str(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -415,7 +415,7 @@ def test_cli_serves_and_exits_zero_on_sigterm(tmp_path, fakes):
             except httpx.TransportError:
                 time.sleep(0.05)
         assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 200
-        clash = subprocess.run([sys.executable, "-m", "collm.server.router_cli", "--config", str(cfg)],
+        clash = subprocess.run([sys.executable, "-m", "collm.router.cli", "--config", str(cfg)],
                                capture_output=True, text=True, timeout=60)
         assert clash.returncode == 2 and f"api.port: cannot listen on 127.0.0.1:{port}" in clash.stderr
         proc.send_signal(signal.SIGTERM)

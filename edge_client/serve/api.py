@@ -23,12 +23,12 @@ from collm.common.adapter_io import check_compatible, load_adapter
 from collm.common.errors import UserError
 from collm.common.protocol import EDGE_HEADER, VERSION_HEADER
 
-from .engine import AdmittedEvent, EngineError, FinishEvent, PromptTooLong, QueueFull, ShuttingDown, TokenEvent
-from .metrics import EdgeMetrics
-from .openai_schema import AdminEvaluate, AdminPublish, AdminTrain, ChatRequest, CompletionRequest, _Common, error_body
-from .runtime import EdgeRuntime
-from .sampling import SamplingParams
-from .trainer import TrainBudget
+from collm.edge_client.engine import AdmittedEvent, EngineError, FinishEvent, PromptTooLong, QueueFull, ShuttingDown, TokenEvent
+from collm.edge_client.serve.metrics import EdgeMetrics
+from collm.edge_client.serve.openai_schema import AdminEvaluate, AdminPublish, AdminTrain, ChatRequest, CompletionRequest, _Common, error_body
+from collm.edge_client.runtime import EdgeRuntime
+from collm.edge_client.model.sampling import SamplingParams
+from collm.edge_client.training.trainer import TrainBudget
 
 
 

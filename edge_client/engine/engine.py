@@ -27,19 +27,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from collm.common.config import EdgeConfig
-from collm.common.data import EdgeData, format_example
-from collm.common.models import LoadedModel
+from collm.edge_client.config import EdgeConfig
+from collm.common.data import format_example
+from collm.edge_client.training.data import EdgeData
+from collm.edge_client.model.loading import LoadedModel
 
-from .co_scheduler import RequestSlack, allowance, pick_microbatch
-from .cost_model import CostModels, step_features
-from .lora import AdapterWeights, TrainableAdapter, inject_lora
-from .model_runner import KVPool, ModelRunner, Segment
-from .preemption import Preempted, preemptible
-from .sampling import SamplingParams, TextStream, make_generator, sample_next
-from .shadow import ShadowAdapter
-from .telemetry import RequestRecord, Telemetry
-from .trainer import BackgroundJob, EvalJob, JobReport, LocalTrainer, Option, TrainBudget
+from collm.edge_client.engine.co_schedule import RequestSlack, allowance, pick_microbatch
+from collm.edge_client.engine.cost_model import CostModels, step_features
+from collm.edge_client.model.lora import AdapterWeights, TrainableAdapter, inject_lora
+from collm.edge_client.model.runner import KVPool, ModelRunner, Segment
+from collm.edge_client.engine.preemption import Preempted, preemptible
+from collm.edge_client.model.sampling import SamplingParams, TextStream, make_generator, sample_next
+from collm.edge_client.model.shadow import ShadowAdapter
+from collm.edge_client.engine.telemetry import RequestRecord, Telemetry
+from collm.edge_client.training.trainer import BackgroundJob, EvalJob, JobReport, LocalTrainer, Option, TrainBudget
 
 log = logging.getLogger("collm.engine")
 
@@ -589,8 +590,8 @@ class Engine:
 
     def _measure_train_microbatch(self) -> None:
         """Time forward+backward of one training sequence without changing the adapter."""
-        from .lora import TrainingBinding, bind
-        from .trainer import collate, token_loss
+        from collm.edge_client.model.lora import TrainingBinding, bind
+        from collm.edge_client.training.trainer import collate, token_loss
 
         t = self.trainer
         ex = t.stream.peek(1)

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from .slo import meets_slo
-from .stats import percentile
+from collm.common.slo import meets_slo
+from collm.common.stats import percentile
 
 
 @dataclass

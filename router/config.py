@@ -51,7 +51,7 @@ class HealthConfig(Strict):
 
 
 class RoutingConfig(Strict):
-    """The routing rule (`collm.server.router_policy`) and what it assumes about the edges."""
+    """The routing rule (`collm.router.policy`) and what it assumes about the edges."""
 
     policy: Literal["slo", "round_robin", "least_outstanding"] = "slo"
     tie_margin: float = Field(0.05, ge=0, le=1, description="edges within this normalised slack of the best are "

@@ -12,7 +12,7 @@ writes goes under `--out` (configs, logs, checkpoints, edge state).
 
 With `--tls` the Flower traffic is TLS with SuperNode authentication, as in the Compose security
 profile: it makes a CA, the SuperLink's certificate and one ECDSA key pair per edge in
-`--out`/certs (`collm.server.certs`), starts the SuperLink with `--ssl-*` and
+`--out`/certs (`collm.lab.certs`), starts the SuperLink with `--ssl-*` and
 `--enable-supernode-auth`, registers each edge's public key over the Control API, gives each
 edge `federation: {insecure: false, root_certificates, auth_private_key}` and runs
 `collm-server --root-certificates`. Every port stays on 127.0.0.1.
@@ -37,12 +37,13 @@ from pathlib import Path
 import httpx
 import yaml
 
-from collm.common.config import EdgeConfig, load_config
+from collm.common.config import load_config
+from collm.edge_client.config import EdgeConfig
 from collm.common.data import categories, load_records, partition_by_category
 from collm.common.errors import UserError, cli_entry
 from collm.common.procs import BIN_DIR, child_env, end_stragglers, usable_cpus
 
-from .certs import make_certs, register_nodes
+from collm.lab.certs import make_certs, register_nodes
 
 BASE_CONFIGS = {"tiny": "configs/edge-tiny.yaml", "bundled": "configs/edge-smollm2.yaml"}
 PROMPTS = ["What is the capital of France?", "Give me three tips for a good night's sleep.",

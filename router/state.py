@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from collm.common import metric_names as M
 
-from .router_config import EdgeEndpoint, HealthConfig, RoutingConfig
-from .router_policy import EdgeView
+from collm.router.config import EdgeEndpoint, HealthConfig, RoutingConfig
+from collm.router.policy import EdgeView
 
 log = logging.getLogger("collm.router")
 

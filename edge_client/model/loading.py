@@ -30,8 +30,8 @@ from urllib.parse import urlparse
 
 import torch
 
-from .config import ModelConfig, TinyModelConfig
-from .errors import UserError
+from collm.edge_client.config import ModelConfig, TinyModelConfig
+from collm.common.errors import UserError
 
 log = logging.getLogger("collm.models")
 

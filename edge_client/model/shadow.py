@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .lora import AdapterWeights, LoRALayers
+from collm.edge_client.model.lora import AdapterWeights, LoRALayers
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .lora import AdapterWeights, ServingBinding, bind
+from collm.edge_client.model.lora import AdapterWeights, ServingBinding, bind
 
 
 @dataclass

@@ -48,9 +48,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from collm.common.protocol import EDGE_HEADER, VERSION_HEADER
 
-from .router_config import RouterConfig
-from .router_policy import Assumptions, Decision, Estimate, RequestView, choose, estimate
-from .router_state import EdgeState, scrape_from_metrics
+from collm.router.config import RouterConfig
+from collm.router.policy import Assumptions, Decision, Estimate, RequestView, choose, estimate
+from collm.router.state import EdgeState, scrape_from_metrics
 
 log = logging.getLogger("collm.router")
 

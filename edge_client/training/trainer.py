@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from collm.common.config import TrainingConfig
+from collm.edge_client.config import TrainingConfig
 from collm.common.data import Example
 
-from .lora import AdapterWeights, ServingBinding, TrainableAdapter, TrainingBinding, bind
+from collm.edge_client.model.lora import AdapterWeights, ServingBinding, TrainableAdapter, TrainingBinding, bind
 
 
 def collate(examples: list[Example], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

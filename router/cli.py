@@ -17,7 +17,7 @@ from collm.common.errors import cli_entry
 from collm.common.listen import bind_listen_socket
 from collm.common.logs import setup_logging
 
-from .router_config import RouterConfig
+from collm.router.config import RouterConfig
 
 log = logging.getLogger("collm.router")
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve(cfg: RouterConfig) -> int:
     import uvicorn
 
-    from .router import create_app
+    from collm.router.app import create_app
 
     sock = bind_listen_socket(cfg.api.host, cfg.api.port)  # before anything slow: a clash is one line
     app = create_app(cfg)

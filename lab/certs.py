@@ -1,7 +1,7 @@
 """TLS certificates and SuperNode keys for a CoLLM federation, and registering the edges' keys.
 
-    python -m collm.server.certs make OUT_DIR [EDGE ...] [--san DNS:fl.example.org] [--days 365]
-    python -m collm.server.certs register --superlink HOST:PORT --root-certificates CA PUB [PUB ...]
+    python -m collm.lab.certs make OUT_DIR [EDGE ...] [--san DNS:fl.example.org] [--days 365]
+    python -m collm.lab.certs register --superlink HOST:PORT --root-certificates CA PUB [PUB ...]
 
 `make` writes, in OUT_DIR (default edges: edge1 edge2 edge3):
 
@@ -202,7 +202,7 @@ def register_nodes(superlink: str, root_certificates: str | Path, public_keys: l
     from flwr.cli.utils import flwr_cli_exc_handler
     from flwr.proto.control_pb2 import ListNodesRequest, RegisterNodeRequest  # pylint: disable=E0611
 
-    from .cli import _as_user_error
+    from collm.server.cli import _as_user_error
 
     keys = {}
     for pub in map(Path, public_keys):
@@ -242,7 +242,7 @@ def _wait_for_control_api(superlink: str, root_certificates: str | Path, wait_s:
     """A Control API client, once the SuperLink answers its /health over TLS."""
     import httpx
 
-    from .cli import _as_user_error, connect
+    from collm.server.cli import _as_user_error, connect
 
     ca = str(Path(root_certificates).resolve())
     if not Path(ca).is_file():
@@ -271,7 +271,7 @@ def _ssl_context(ca: str):
 
 # ----------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m collm.server.certs", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m collm.lab.certs", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("make", help="make the CA, the SuperLink certificate and the edges' key pairs")
     m.add_argument("out", help="folder for the files (created; files already there are kept)")

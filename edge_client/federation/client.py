@@ -23,8 +23,8 @@ from flwr.clientapp import ClientApp
 
 from collm.common import protocol as P
 
-from .runtime import EdgeRuntime
-from .trainer import TrainBudget
+from collm.edge_client.runtime import EdgeRuntime
+from collm.edge_client.training.trainer import TrainBudget
 
 log = logging.getLogger("collm.federation")
 

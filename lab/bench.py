@@ -11,7 +11,7 @@ window and the same SLOs, one mode after another:
                      no balancer: equal budgets), round-robin routing;
 * `serve-only`       no training at all (quality stays where it started), round-robin routing.
 
-Per mode: the trace window is replayed open-loop through the router (collm.common.loadgen), then a
+Per mode: the trace window is replayed open-loop through the router (collm.lab.loadgen), then a
 rate sweep replays further trace windows at multiples of the rate on the same running topology.
 Served quality is measured after the mode, outside the window, on one fixed held-out set for all
 modes: the loss of each global adapter that was served, at the time it was swapped in.
@@ -34,16 +34,17 @@ import httpx
 import yaml
 
 from collm.common import metric_names as M
-from collm.common.config import EdgeConfig, load_config
+from collm.common.config import load_config
+from collm.edge_client.config import EdgeConfig
 from collm.common.data import Record, categories, load_records, partition_by_category, split_holdout
 from collm.common.errors import UserError, cli_entry
-from collm.common.loadgen import Planned, replay, summarize
+from collm.lab.loadgen import Planned, replay, summarize
 from collm.common.procs import BIN_DIR, usable_cpus
 from collm.common.traces import TraceScaling, load_trace
 
-from .bench_config import BenchConfig
-from .lab import BASE_CONFIGS, Lab, free_port, interrupt_on_signal, wait_http
-from .router_state import parse_prometheus
+from collm.lab.bench_config import BenchConfig
+from collm.lab.lab import BASE_CONFIGS, Lab, free_port, interrupt_on_signal, wait_http
+from collm.router.state import parse_prometheus
 
 
 # ----------------------------------------------------------------------------- requests
@@ -228,7 +229,7 @@ class QualityJudge:
     """Loss of adapters on one fixed held-out set (same for every mode), computed outside the windows."""
 
     def __init__(self, cfg: BenchConfig):
-        from collm.common.models import load_model
+        from collm.edge_client.model.loading import load_model
         from collm.edge_client.engine import Engine
 
         base = load_config(EdgeConfig, BASE_CONFIGS[cfg.model])
@@ -250,7 +251,7 @@ class QualityJudge:
         return out
 
     def loss(self, state: dict | None) -> float:
-        from collm.edge_client.trainer import EvalJob
+        from collm.edge_client.training.trainer import EvalJob
 
         eng = self.engine
         weights = eng.shadow.current if state is None else eng.layers.serving_weights(state, -1, eng.device,
@@ -358,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from .bench_report import write_report
+    from collm.lab.bench_report import write_report
 
     args = build_parser().parse_args(argv)
     if threading.current_thread() is threading.main_thread():

@@ -1,0 +1,1 @@
+"""The edge's HTTP surface: OpenAI-compatible API, request schema, Prometheus metrics."""
