@@ -2,7 +2,9 @@
 
 It listens on the configured host/port at once (`/health` answers 503 while the model loads),
 loads the model, and serves until SIGTERM/SIGINT; then it stops admitting, lets in-flight
-requests finish within `api.shutdown_grace_s`, saves the training state and exits 0.
+requests finish within `api.shutdown_grace_s`, saves the training state and exits 0. If the
+engine loop itself dies (a bug, not a bad request), `/health` answers 503 and the process stops
+and exits 1, so a supervisor (Compose's `restart:`, systemd) starts a fresh one.
 """
 
 from __future__ import annotations
@@ -61,12 +63,22 @@ def serve(cfg: EdgeConfig) -> int:
     # handlers receive that re-raise, so the process goes on to save its state and exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    failed: list[str] = []
+
+    def engine_died(reason: str) -> None:
+        failed.append(reason)
+        server.should_exit = True
+
+    rt.on_ready.append(lambda: rt.engine.on_failure.append(engine_died))
     loader = rt.load_in_background()
     log.info("edge %s: listening on http://%s:%d", cfg.name, cfg.api.host, cfg.api.port)
     server.run(sockets=[sock])  # returns after SIGTERM/SIGINT, once in-flight requests are done
     log.info("edge %s: shutting down", cfg.name)
     loader.join(timeout=1)
     rt.shutdown(cfg.api.shutdown_grace_s)
+    if failed:
+        log.error("edge %s: exiting with status 1 because the engine failed: %s", cfg.name, failed[0])
+        return 1
     return 0
 
 

@@ -111,6 +111,16 @@ def test_bad_requests_get_openai_errors(edge, raw, status, param, words):
     assert err["param"] == param and words in err["message"] and err["type"]
 
 
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 18446744073709551616 * 10])
+def test_a_seed_torch_cannot_take_is_a_400_and_the_edge_keeps_serving(edge, seed):
+    r = post(edge, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "seed": seed})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "seed"
+    ok = post(edge, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "seed": 2**64 - 1})
+    assert ok.status_code == 200, ok.text
+    assert httpx.get(edge.url + "/health").json()["status"] == "ready"
+
+
 def test_prompt_over_context_limit(edge):
     limit = edge.engine.max_context
     r = post(edge, "/v1/completions", {"prompt": "word " * (limit + 10)})
@@ -243,3 +253,20 @@ def test_admin_endpoints(tmp_path):
 def test_admin_is_off_by_default(edge):
     r = post(edge, "/admin/train", {"steps": 1})
     assert r.status_code == 404 and "api.admin" in r.json()["error"]["message"]
+
+
+def test_a_dead_engine_makes_health_503(tmp_path):
+    e = LiveEdge(tiny_config(state_dir=str(tmp_path)))
+    try:
+        def broken_planner():  # a bug in the engine loop itself
+            raise RuntimeError("planner bug")
+
+        e.engine._plan_step = broken_planner
+        first = post(e, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert first.status_code in (500, 503)
+        h = httpx.get(e.url + "/health")
+        assert h.status_code == 503 and h.json()["status"] == "error" and "planner bug" in h.json()["error"]
+        again = post(e, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert again.status_code == 503 and "restart" in again.json()["error"]["message"]
+    finally:
+        e.close()

@@ -230,6 +230,48 @@ def test_sampling_seed_stop_strings_and_eos():
         eng.stop()
 
 
+class _Unchecked(SamplingParams):
+    """Sampling parameters that skip validation: a request that got past the API's checks."""
+
+    def validate(self) -> None:
+        pass
+
+
+def test_one_bad_request_fails_alone_and_the_engine_keeps_serving():
+    eng = tiny_engine()
+    try:
+        ids = prompt(eng, "hi")
+        bad = eng.generate(ids, _Unchecked(max_tokens=4, temperature=0.7, seed=2**70), timeout=30)
+        assert bad.reason == "error"  # torch.Generator refused the seed at admission
+        good = eng.generate(ids, SamplingParams(max_tokens=4, temperature=0.7, seed=3), timeout=30)
+        assert good.reason == "length" and good.record.output_tokens == 4
+        assert eng.failure is None and eng.pool.free_slots == eng.pool.slots
+    finally:
+        eng.stop()
+
+
+def test_a_dead_engine_loop_says_so_and_refuses_requests():
+    eng = tiny_engine()
+    died = []
+    eng.on_failure.append(died.append)
+    def broken_planner():  # a bug in the loop itself, not in one request
+        raise RuntimeError("planner bug")
+
+    eng._plan_step = broken_planner
+    try:
+        assert eng.generate(prompt(eng, "hi"), GREEDY, timeout=10).reason == "error"
+        deadline = time.time() + 10
+        while not died and time.time() < deadline:
+            time.sleep(0.01)
+        assert died and eng.failure == died[0]
+        from collm.edge_client.engine import EngineFailed
+
+        with pytest.raises(EngineFailed, match="restarted"):
+            eng.submit(prompt(eng, "hi"), GREEDY, lambda e: None)
+    finally:
+        eng.stop()
+
+
 def test_limits_queue_and_context():
     eng = tiny_engine(engine={"max_running": 2, "max_queue": 3, "kv_cache_mb": 0.25})
     try:

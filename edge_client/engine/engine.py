@@ -61,6 +61,10 @@ class ShuttingDown(EngineError):
     pass
 
 
+class EngineFailed(EngineError):
+    """The engine loop died (a bug, not a request's fault): the process should be restarted."""
+
+
 @dataclass
 class AdmittedEvent:
     """The request got a slot; it is pinned to this adapter version for its whole life."""
@@ -100,6 +104,7 @@ class Request:
     generator: torch.Generator | None = None
     first_token_at: float | None = None
     cancelled: bool = False
+    finished: bool = False
 
     @property
     def adapter_version(self) -> int | None:
@@ -163,6 +168,8 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._arrivals: deque[float] = deque()
+        self.failure: str | None = None  # set if the loop dies; /health then answers 503
+        self.on_failure: list[Callable[[str], None]] = []  # called once, from the dying loop thread
 
     # ================================================================= public API (any thread)
     def start(self) -> Engine:
@@ -177,6 +184,8 @@ class Engine:
                request_id: str | None = None) -> Request:
         """Queue a request; events (TokenEvent..., FinishEvent) arrive on the engine thread."""
         params.validate()
+        if self.failure is not None:
+            raise EngineFailed(f"the engine failed ({self.failure}); this edge must be restarted")
         if not self._accepting:
             raise ShuttingDown("the edge is shutting down")
         if not prompt_ids:
@@ -305,9 +314,16 @@ class Engine:
     def _run_loop(self) -> None:
         try:
             self._loop()
-        except Exception:  # noqa: BLE001 - never die silently: fail everything that waits on us
+        except Exception as e:  # noqa: BLE001 - never die silently: fail everything that waits on us
             log.exception("engine loop crashed")
+            self.failure = f"{type(e).__name__}: {e}"
+            self._accepting = False
             self._fail_all("engine error")
+            for fn in list(self.on_failure):
+                try:
+                    fn(self.failure)
+                except Exception:  # noqa: BLE001
+                    log.exception("engine failure callback failed")
 
     def _loop(self) -> None:
         while True:
@@ -347,11 +363,16 @@ class Engine:
                 return
             r = self._waiting.popleft()
             r.slot = slot
-            r.adapter = self.shadow.pin()
-            r.stream = TextStream(self.tokenizer, r.params.stop)
-            r.generator = make_generator(r.params, self.device)
-            self._typical_prompt = 0.9 * self._typical_prompt + 0.1 * len(r.prompt_ids)
             self._running.append(r)
+            try:
+                r.adapter = self.shadow.pin()
+                r.stream = TextStream(self.tokenizer, r.params.stop)
+                r.generator = make_generator(r.params, self.device)
+            except Exception:  # noqa: BLE001 - one request's set-up must not stop the engine
+                log.exception("request %s: could not be admitted", r.id)
+                self._finish(r, "error")
+                continue
+            self._typical_prompt = 0.9 * self._typical_prompt + 0.1 * len(r.prompt_ids)
             self._emit(r, AdmittedEvent(r.adapter.version))
 
     def _plan_step(self) -> list[Segment]:
@@ -381,11 +402,17 @@ class Engine:
         prefill = sum(len(s.tokens) for s in segments) - decode
         attended = sum(s.start + len(s.tokens) for s in segments)
         t0 = time.perf_counter()
-        logits = self.runner.forward(segments, self.pool)
         wanting = [by_slot[s.slot] for s in segments if s.want_logits]
-        tokens = sample_next(logits, [r.params for r in wanting], [r.generator for r in wanting])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        try:
+            logits = self.runner.forward(segments, self.pool)
+            tokens = sample_next(logits, [r.params for r in wanting], [r.generator for r in wanting])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - fail this step's requests, keep serving the others
+            log.exception("engine step failed; failing its %d request(s)", len(segments))
+            for s in segments:
+                self._finish(by_slot[s.slot], "error")
+            return
         now = time.perf_counter()
         self.costs.step.observe(step_features(decode, prefill, attended), now - t0)
         self.telemetry.record_step(now - t0, len(segments))
@@ -393,7 +420,12 @@ class Engine:
             if s.slot in prefilling:
                 by_slot[s.slot].prefilled += len(s.tokens)
         for r, tok in zip(wanting, tokens):
-            self._on_token(r, tok, now)
+            try:
+                self._on_token(r, tok, now)
+            except Exception:  # noqa: BLE001 - e.g. detokenization: this request fails, not the engine
+                log.exception("request %s: token handling failed", r.id)
+                if r in self._running:
+                    self._finish(r, "error")
 
     def _on_token(self, r: Request, tok: int, now: float) -> None:
         if r.first_token_at is None:
@@ -414,6 +446,9 @@ class Engine:
             self._emit(r, TokenEvent(delta, tok, len(r.out_ids) - 1))
 
     def _finish(self, r: Request, reason: str) -> None:
+        if r.finished:
+            return
+        r.finished = True
         now = time.perf_counter()
         if r in self._running:
             self._running.remove(r)

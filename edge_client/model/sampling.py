@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# What torch.Generator.manual_seed accepts; a seed outside it would raise inside the engine loop.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -25,6 +28,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if len(self.stop) > 4 or any(not s for s in self.stop):
             raise ValueError("stop takes at most 4 non-empty strings")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be between {SEED_MIN} and {SEED_MAX}")
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

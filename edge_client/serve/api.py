@@ -23,7 +23,8 @@ from collm.common.adapter_io import check_compatible, load_adapter
 from collm.common.errors import UserError
 from collm.common.protocol import EDGE_HEADER, VERSION_HEADER
 
-from collm.edge_client.engine import AdmittedEvent, EngineError, FinishEvent, PromptTooLong, QueueFull, ShuttingDown, TokenEvent
+from collm.edge_client.engine import (AdmittedEvent, EngineError, EngineFailed, FinishEvent, PromptTooLong,
+                                     QueueFull, ShuttingDown, TokenEvent)
 from collm.edge_client.serve.metrics import EdgeMetrics
 from collm.edge_client.serve.openai_schema import AdminEvaluate, AdminPublish, AdminTrain, ChatRequest, CompletionRequest, _Common, error_body
 from collm.edge_client.runtime import EdgeRuntime
@@ -84,6 +85,9 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
         if not rt.ready.is_set():
             raise ApiError(503, "the edge is still loading its model", "service_unavailable",
                            headers={"Retry-After": "5"})
+        if rt.engine.failure is not None:
+            raise ApiError(503, f"the edge's engine failed ({rt.engine.failure}); it is restarting",
+                           "service_unavailable")
         return rt.engine
 
     # ------------------------------------------------------------------ read-only endpoints
@@ -93,6 +97,9 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
             status = "error" if rt.load_error else "loading"
             return JSONResponse({"status": status, "edge": rt.cfg.name, "error": rt.load_error}, status_code=503)
         eng = rt.engine
+        if eng.failure is not None:
+            return JSONResponse({"status": "error", "edge": rt.cfg.name, "error": f"engine failed: {eng.failure}"},
+                                status_code=503)
         return {"status": "ready", "edge": rt.cfg.name, "model": rt.model_name,
                 "adapter_version": eng.shadow.current_version, "uptime_s": round(time.time() - rt.started_at, 1),
                 **eng.load(), "federation": rt.federation_status()}
@@ -220,7 +227,7 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
             retry = _retry_after(eng)
             raise ApiError(429, f"{e}; retry after {retry} s", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(retry)}) from None
-        except ShuttingDown as e:
+        except (ShuttingDown, EngineFailed) as e:
             raise ApiError(503, str(e), "service_unavailable") from None
         except PromptTooLong as e:
             raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from None

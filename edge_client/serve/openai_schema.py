@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from collm.edge_client.model.sampling import SEED_MAX, SEED_MIN
+
 
 class SLOOverride(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -30,7 +32,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
