@@ -556,7 +556,7 @@ def bench_swap(which: str, args, dev: torch.device) -> dict:
         refs: dict[tuple[int, int], list[int]] = {}
         for s in range(n_states):
             version += 1
-            eng.publish(states[s], version)
+            eng.shadow.publish(states[s], version)
             state_of[version] = s
             for pi, ids in enumerate(prompts):
                 refs[(s, pi)] = eng.generate(ids, params).token_ids
@@ -604,7 +604,7 @@ def bench_swap(which: str, args, dev: torch.device) -> dict:
                     s = version % n_states
                     state_of[version] = s
                     t0 = time.perf_counter()
-                    eng.publish(states[s], version, source="bench")
+                    eng.shadow.publish(states[s], version, source="bench")
                     t1 = time.perf_counter()
                     c0, c1 = timed.last
                     windows.append((t0, c0, c1, t1))

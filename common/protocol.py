@@ -1,7 +1,7 @@
 """Record names and keys of the messages between the CoLLM ServerApp and the edges.
 
 QUERY     instruction  {"config": ConfigRecord({"server-round": r})}
-          reply        {"report": MetricRecord(REPORT_KEYS), "identity": ConfigRecord({"edge-name": str})}
+          reply        {"report": MetricRecord(LoadReport.to_record()), "identity": ConfigRecord({"edge-name": str})}
 TRAIN     instruction  {"arrays": ArrayRecord (global adapter, fp32, PEFT keys; EMPTY in round 1 =
                         start from the identical seeded initial adapter),
                         "config": ConfigRecord({"server-round", "budget-tokens", "deadline-s", "lr",
@@ -14,6 +14,11 @@ EVALUATE  instruction  {"arrays": global adapter after round r, "config": {"serv
 The global adapter after round r is served by every edge as adapter version r.
 Unknown values in a report are sent as -1.0.
 """
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
 
 REPORT = "report"
 IDENTITY = "identity"
@@ -28,12 +33,71 @@ DEADLINE_S = "deadline-s"
 LR = "lr"
 PROXIMAL_MU = "proximal-mu"
 
-REPORT_KEYS = ("request-rate", "slo-attainment", "spare-capacity", "queue-depth", "running",
-               "train-examples", "gain-per-ktok", "train-tokens-per-s", "goodput", "adapter-version")
 TRAIN_KEYS = ("num-examples", "train-loss", "train-tokens", "train-steps", "deadline-hit", "seconds")
 EVAL_KEYS = ("num-examples", "eval-loss", "eval-accuracy", "adapter-version")
 UNKNOWN = -1.0
 
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """An OpenAI-style error object, the body of every 4xx/5xx collm-edge and collm-router send."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 # HTTP response headers of collm-edge, passed through by collm-router
 VERSION_HEADER = "X-CoLLM-Adapter-Version"  # the adapter version the request was admitted with
 EDGE_HEADER = "X-CoLLM-Edge"  # the edge that served it
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One edge's load report (its QUERY reply), the input of the server's workload balancer.
+
+    The edge fills it from its `EdgeSnapshot`; on the wire each field is a MetricRecord key with
+    dashes (`request_rate` -> "request-rate"); None travels as UNKNOWN.
+    """
+
+    name: str                        # the edge (travels in the identity record, not in the report)
+    request_rate: float              # λ, requests/s finished over the edge's window
+    slo_attainment: float | None     # A, fraction of completed requests within SLO; None = none completed
+    spare_capacity: float            # s, fraction of time not serving, [0, 1]
+    queue_depth: float               # q, requests waiting
+    running: float                   # requests being served
+    train_examples: int              # n, local training examples
+    gain_per_ktok: float | None      # g, holdout-loss drop per 1k training tokens last round; None = unknown
+    train_tokens_per_s: float        # c, training throughput when idle
+    goodput: float = 0.0             # requests/s that met every SLO
+    adapter_version: int = -1        # the version the edge serves
+
+    @staticmethod
+    def key(field_name: str) -> str:
+        return field_name.replace("_", "-")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(cls.key(f.name) for f in fields(cls) if f.name != "name")
+
+    def to_record(self) -> dict[str, float]:
+        def num(v) -> float:
+            return UNKNOWN if v is None or (isinstance(v, float) and not math.isfinite(v)) else float(v)
+
+        return {self.key(f.name): num(getattr(self, f.name)) for f in fields(self) if f.name != "name"}
+
+    @classmethod
+    def from_record(cls, name: str, record: dict) -> LoadReport:
+        """Parse a QUERY reply's MetricRecord; missing or non-finite values become unknown (or 0).
+
+        Attainment is a fraction, so any negative value means unknown; a gain may be negative
+        (quality got worse), so only exactly UNKNOWN means unknown.
+        """
+        def num(key: str, default: float = 0.0) -> float:
+            v = record.get(key, default)
+            return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else default
+
+        attainment, gain = num("slo-attainment", UNKNOWN), num("gain-per-ktok", UNKNOWN)
+        return cls(
+            name=name, request_rate=num("request-rate"),
+            slo_attainment=attainment if attainment >= 0 else None,
+            spare_capacity=num("spare-capacity"), queue_depth=num("queue-depth"), running=num("running"),
+            train_examples=int(num("train-examples")), gain_per_ktok=gain if gain != UNKNOWN else None,
+            train_tokens_per_s=num("train-tokens-per-s"), goodput=num("goodput"),
+            adapter_version=int(num("adapter-version", UNKNOWN)))

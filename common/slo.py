@@ -1,10 +1,39 @@
-"""The SLO rule every CoLLM component counts goodput by, kept in one place.
+"""The SLO every CoLLM component counts goodput by, kept in one place.
+
+Targets are written in milliseconds where people write them (configs, the `slo` field of a
+request) and become an `SLO` in seconds once, where they are read (`SLO.from_ms`).
 
 A request meets its SLO when it completed, its first token came within the TTFT target and its
 mean time per output token stayed within the TPOT target (a one-token answer has no TPOT).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets of one request, in seconds."""
+
+    ttft_s: float
+    tpot_s: float
+
+    @classmethod
+    def from_ms(cls, ttft_ms: float, tpot_ms: float) -> SLO:
+        return cls(ttft_ms / 1000.0, tpot_ms / 1000.0)
+
+    def override(self, ttft_ms: float | None = None, tpot_ms: float | None = None) -> SLO:
+        """These targets with a request's own (milliseconds; None, non-finite or <= 0: keep ours)."""
+        def pick(ms: float | None, default_s: float) -> float:
+            ok = isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms) and ms > 0
+            return ms / 1000.0 if ok else default_s
+
+        return SLO(pick(ttft_ms, self.ttft_s), pick(tpot_ms, self.tpot_s))
+
+    def met_by(self, completed: bool, ttft_s: float | None, tpot_s: float | None) -> bool:
+        return meets_slo(completed, ttft_s, tpot_s, self.ttft_s, self.tpot_s)
 
 
 def meets_slo(completed: bool, ttft_s: float | None, tpot_s: float | None, ttft_slo_s: float,

@@ -55,6 +55,10 @@ def serve(cfg: EdgeConfig) -> int:
 
     sock = bind_listen_socket(cfg.api.host, cfg.api.port)  # before anything slow: a clash is one line
     rt = EdgeRuntime(cfg)
+    if cfg.federation.enabled:
+        from collm.edge_client.federation.client import EdgeFederation
+
+        rt.federation = EdgeFederation(rt)
     app = create_app(rt)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.api.host, port=cfg.api.port, log_level="warning", access_log=False,

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from collm.common.config import LoraConfig, Strict
+from collm.common.slo import SLO
 
 # ----------------------------------------------------------------------------- model
 class TinyModelConfig(Strict):
@@ -88,9 +89,13 @@ class EngineConfig(Strict):
 class SLOConfig(Strict):
     """Default service-level objectives of this edge; a request may override them."""
 
-    ttft_ms: float = Field(2000.0, gt=0, description="time to first token")
-    tpot_ms: float = Field(200.0, gt=0, description="time per output token after the first")
+    ttft_ms: float = Field(2000.0, gt=0, allow_inf_nan=False, description="time to first token")
+    tpot_ms: float = Field(200.0, gt=0, allow_inf_nan=False, description="time per output token after the first")
     safety: float = Field(0.8, gt=0, le=1, description="fraction of each SLO the scheduler plans to use")
+
+    @property
+    def targets(self) -> SLO:
+        return SLO.from_ms(self.ttft_ms, self.tpot_ms)
 
 
 class DataConfig(Strict):
@@ -122,9 +127,15 @@ class TrainingConfig(Strict):
     grad_accum_steps: int = Field(4, ge=1, description="micro-batches per optimizer step")
     max_seq_len: int = Field(256, ge=16)
     reset_optimizer_each_round: bool = True
-    co_schedule: Literal["slo", "naive"] = Field(
-        "slo", description="slo: micro-batches only in SLO slack, preemptible (CoLLM); naive: a full micro-batch "
-                           "after every serving step, never preempted (the baseline without SLO control)")
+    co_schedule: Literal["work_conserving", "naive"] = Field(
+        "work_conserving", description="work_conserving: training only in time serving does not need (CoLLM; "
+        "edge_client/engine/co_schedule.py); naive: a whole micro-batch after every serving step (the baseline "
+        "without SLO control)")
+    busy_share: float = Field(0.0, ge=0, le=1, description="while requests decode, training may take up to "
+                              "busy_share - rho - busy_margin of the replica (rho: measured serving busy fraction); "
+                              "0: only idle time")
+    busy_margin: float = Field(0.1, ge=0, le=1)
+    busy_window_s: float = Field(10.0, gt=0, description="window over which rho is measured")
     default_round_tokens: int = Field(4096, ge=1, description="round budget when the server assigns none")
     eval_batch_size: int = Field(4, ge=1)
     max_eval_records: int | None = Field(64, ge=1, description="cap on holdout records per evaluation")

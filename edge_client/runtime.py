@@ -5,6 +5,9 @@
     serving/            the serving adapter (PEFT format), written on every publish
     serving.json        its version, federated round, eval loss, when it was published
     training/           the training adapter, and optimizer.pt, written at shutdown
+
+Federation is a service the CLI attaches (`rt.federation = EdgeFederation(rt)`): the runtime
+starts it once the engine runs and stops it first at shutdown, without knowing about Flower.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ import time
 
 import torch
 
-from collm.common.adapter_io import load_adapter, save_adapter
+from collm.common.adapter_io import check_compatible, load_adapter, save_adapter
 from collm.edge_client.config import EdgeConfig
-from collm.edge_client.training.data import load_edge_data
-from collm.edge_client.model.loading import load_model
-
 from collm.edge_client.engine import Engine
+from collm.edge_client.model.loading import load_model
+from collm.edge_client.model.shadow import StaleVersion, VersionInfo
+from collm.edge_client.training.data import load_edge_data
 
 log = logging.getLogger("collm.edge")
 
@@ -35,11 +38,9 @@ class EdgeRuntime:
         self.model_name = "loading"
         self.ready = threading.Event()
         self.load_error: str | None = None
-        self._publish_lock = threading.Lock()
         self.started_at = time.time()
         self.on_ready: list = []  # called once the engine runs, before the edge reports ready
-        self.federated = None  # FederatedEdge, when federation is enabled
-        self.executor = None  # SuperNodeExecutor
+        self.federation = None  # a service with start(), stop() and status() (federation.EdgeFederation)
 
     # ------------------------------------------------------------------ lifecycle
     def load(self) -> Engine:
@@ -56,8 +57,8 @@ class EdgeRuntime:
         self.engine = engine
         for fn in self.on_ready:
             fn()
-        if cfg.federation.enabled:
-            self.start_federation()
+        if self.federation is not None:
+            self.federation.start()
         self.ready.set()
         log.info("edge %s: ready (max context %d tokens, %d slots, adapter version %d)", cfg.name,
                  engine.max_context, engine.pool.slots, engine.shadow.current_version)
@@ -75,26 +76,12 @@ class EdgeRuntime:
         t.start()
         return t
 
-    def start_federation(self) -> None:
-        """Start a child flower-supernode whose tasks run in this process, on this engine."""
-        from collm.edge_client.federation.client import FederatedEdge
-        from collm.edge_client.federation.executor import SuperNodeExecutor
-
-        f = self.cfg.federation
-        self.federated = FederatedEdge(self)
-        self.executor = SuperNodeExecutor(
-            self.federated.client_app(), superlink=f.superlink, runtime_port=f.runtime_port,
-            node_config={"name": self.cfg.name, **f.node_config}, insecure=f.insecure,
-            root_certificates=f.root_certificates, auth_private_key=f.auth_private_key, name=self.cfg.name)
-        self.executor.start()
-        log.info("edge %s: taking part in federated rounds via SuperLink %s", self.cfg.name, f.superlink)
-
     def shutdown(self, grace_s: float) -> None:
         """Leave the federation, finish in-flight requests within `grace_s`, save the training state."""
         if self.engine is not None:
             self.engine.end_jobs()  # a round's training task replies with what it did instead of running on
-        if self.executor is not None:
-            self.executor.stop()
+        if self.federation is not None:
+            self.federation.stop()
         if self.engine is None:
             return
         self.engine.stop(grace_s)
@@ -109,23 +96,21 @@ class EdgeRuntime:
         Returns False (and does nothing) if `version` is not newer than what is served.
         """
         engine = self.engine
-        with self._publish_lock:
-            if version <= engine.shadow.current_version:
-                return False
-            meta = {"version": version, "round": round, "eval_loss": eval_loss, "published_at": time.time(),
-                    "source": source}
-            self._write_serving(state, meta)
-            engine.publish(state, version, round=round, eval_loss=eval_loss, source=source)
+        try:
+            engine.shadow.publish(state, version, round=round, eval_loss=eval_loss, source=source,
+                                  persist=self._write_serving)
+        except StaleVersion:
+            return False
         log.info("edge %s: serving adapter version %d (round %s) swapped in, %.1f ms", self.cfg.name, version,
                  round, 1000 * engine.shadow.last_publish_s)
         return True
 
-    def _write_serving(self, state: dict, meta: dict) -> None:
+    def _write_serving(self, state: dict, info: VersionInfo) -> None:
         d = self.state_dir
         d.mkdir(parents=True, exist_ok=True)
-        save_adapter(d / "serving", state, self.cfg.lora, self.model_name, metadata={"version": meta["version"]})
+        save_adapter(d / "serving", state, self.cfg.lora, self.model_name, metadata={"version": info.version})
         tmp = d / ".serving.json.tmp"
-        tmp.write_text(json.dumps(meta))
+        tmp.write_text(json.dumps(info.as_dict()))
         os.replace(tmp, d / "serving.json")
 
     def _restore(self, engine: Engine) -> None:
@@ -137,8 +122,8 @@ class EdgeRuntime:
             if problems:
                 log.warning("edge %s: ignoring saved serving adapter (%s)", self.cfg.name, problems[0])
             else:
-                engine.publish(state, int(meta["version"]), round=meta.get("round"),
-                               eval_loss=meta.get("eval_loss"), source="restored")
+                engine.shadow.publish(state, int(meta["version"]), round=meta.get("round"),
+                                      eval_loss=meta.get("eval_loss"), source="restored")
                 log.info("edge %s: restored serving adapter version %s", self.cfg.name, meta["version"])
         training = self.state_dir / "training"
         if engine.trainer is not None and training.is_dir():
@@ -163,11 +148,7 @@ class EdgeRuntime:
 
     def federation_status(self) -> dict | None:
         """Rounds taken part in, last train/eval results and the executor's state (None if off)."""
-        if self.federated is None:
-            return None
-        ex = self.executor
-        return {**self.federated.status(), "superlink": self.cfg.federation.superlink,
-                "executor_running": ex.running, "tasks_done": ex.tasks_done, "last_error": ex.last_error}
+        return None if self.federation is None else self.federation.status()
 
     def adapters_view(self) -> dict:
         shadow = self.engine.shadow
@@ -185,6 +166,4 @@ class EdgeRuntime:
 
 
 def _shape_problems(engine: Engine, state: dict) -> list[str]:
-    from collm.common.adapter_io import check_compatible
-
     return check_compatible(state, engine.layers.expected_shapes())

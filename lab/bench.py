@@ -104,7 +104,7 @@ def edge_configs(cfg: BenchConfig, mode: str, superlink: str, out: Path) -> list
         c["api"] = {**c.get("api", {}), "host": "127.0.0.1", "port": free_port(), "admin": True}
         c["slo"] = {**c.get("slo", {}), "ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}
         c["data"] = {**c.get("data", {}), "categories": parts[i]}
-        c["training"] = {**c.get("training", {}), "co_schedule": "naive" if mode == "colocated-naive" else "slo",
+        c["training"] = {**c.get("training", {}), "co_schedule": "naive" if mode == "colocated-naive" else "work_conserving",
                          "max_eval_records": cfg.federation.eval_records}
         c["model"] = {**c["model"], "cpu_affinity": replica_cores(i, cfg.replicas)}
         c["federation"] = {"enabled": "train" in role, "superlink": superlink, "runtime_port": free_port()}
@@ -251,15 +251,13 @@ class QualityJudge:
         return out
 
     def loss(self, state: dict | None) -> float:
-        from collm.edge_client.training.trainer import EvalJob
+        from collm.edge_client.training.evaluation import EvalJob
 
         eng = self.engine
         weights = eng.shadow.current if state is None else eng.layers.serving_weights(state, -1, eng.device,
                                                                                        eng.lm.dtype)
-        job = EvalJob(eng.lm.model, weights, self.examples, 8, eng.tokenizer.pad_token_id, eng.device)
-        job.start()
-        while not job.done():
-            job.run(job.options()[0])
+        job = EvalJob(eng.parts, weights, self.examples, 8, eng.tokenizer.pad_token_id, eng.device)
+        job.run_all()
         return float(job.report.loss)
 
 

@@ -46,7 +46,7 @@ from prometheus_client.core import GaugeMetricFamily
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from collm.common.protocol import EDGE_HEADER, VERSION_HEADER
+from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
 
 from collm.router.config import RouterConfig
 from collm.router.policy import Assumptions, Decision, Estimate, RequestView, choose, estimate
@@ -71,10 +71,6 @@ EDGE_OUTSTANDING = "collm_router_edge_outstanding"
 EDGE_SLACK = "collm_router_edge_last_slack"
 HEALTHY_EDGES = "collm_router_healthy_edges"
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
-
-
-def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def _describe(e: Exception) -> str:
@@ -279,7 +275,7 @@ class Router:
         if metrics.status_code == 200:
             try:
                 edge.scrape = scrape_from_metrics(metrics.text, at, outstanding_at)
-            except KeyError as e:
+            except (KeyError, ValueError) as e:
                 log.warning("edge %s: /metrics lacks %s; routing on the router's own counts", edge.name, e)
         edge.poll_ok(h)
 
@@ -347,7 +343,7 @@ class Router:
         else:
             down = ", ".join(f"{e.name} ({e.last_error or 'not ready'})" for e in self.edges)
             msg = f"no healthy edge: all {len(self.edges)} edges are out of service: {down}"
-        return JSONResponse(error_body(msg, "service_unavailable", "no_healthy_edge"), status_code=503,
+        return JSONResponse(error_body(msg, "service_unavailable", code="no_healthy_edge"), status_code=503,
                             headers={"Retry-After": str(max(1, math.ceil(self.cfg.health.interval_s)))})
 
     async def _attempt(self, edge: EdgeState, est: Estimate, method: str, path: str, raw: bytes, headers: dict,
@@ -490,7 +486,7 @@ class Router:
                 log.warning("edge %s broke a stream after it started (%s): ending it with an error event",
                             edge.name, _describe(e))
                 err = error_body(f"edge {edge.name} failed mid-stream ({_describe(e)}); the response is incomplete",
-                                 "server_error", "edge_stream_failed")
+                                 "server_error", code="edge_stream_failed")
                 yield (b"" if watch.at_boundary else b"\n\n") + b"data: " + json.dumps(err).encode() + \
                     b"\n\ndata: [DONE]\n\n"
         finally:

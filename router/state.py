@@ -17,14 +17,14 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from collm.common import metric_names as M
 
 from collm.router.config import EdgeEndpoint, HealthConfig, RoutingConfig
 from collm.router.policy import EdgeView
 
 log = logging.getLogger("collm.router")
-
-_TERMS = ("base", "per_decode_seq", "per_prefill_token", "per_1k_kv_tokens")
 
 
 @dataclass(frozen=True)
@@ -48,16 +48,13 @@ class Scrape:
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """`name` or `name{labels}` -> value, for every sample line (enough for the edge's gauges)."""
+    """`name` -> value for unlabelled samples and `name{k="v"}` -> value for labelled ones, read
+    with prometheus_client's own text parser (ValueError: not Prometheus text)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            continue
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
     return out
 
 
@@ -73,7 +70,7 @@ def scrape_from_metrics(text: str, at: float, outstanding_at: int) -> Scrape:
             return default
         return v
 
-    coef = tuple(num(f'{M.STEP_COST}{{term="{t}"}}') for t in _TERMS)
+    coef = tuple(num(f'{M.STEP_COST}{{term="{t}"}}') for t in M.STEP_COST_TERMS)
     return Scrape(
         at=at, outstanding_at=outstanding_at, queue_depth=num(M.QUEUE_DEPTH), running=num(M.RUNNING),
         max_running=num(M.MAX_RUNNING), step_coef=coef,  # type: ignore[arg-type]

@@ -1,10 +1,13 @@
 r"""The long-timescale workload balancer: how many training tokens each edge gets this round.
 
 A pure function over plain data: `balance(reports, params) -> decisions`. No Flower, no I/O.
+The strategy picks the rule by `balancer.mode` from `BALANCERS` (`uniform` is the baseline).
 
-Objective: the largest expected quality gain per round, subject to every edge keeping its SLO
-attainment at or above the target. Training on an edge only runs in the capacity its inference
-traffic leaves spare, which is what keeps its SLO; an edge already below target trains not at all.
+Objective: the largest expected quality gain per round from the capacity the edges' inference
+traffic leaves spare. An edge trains only in time its serving does not need (its co-execution
+rule, `edge_client/engine/co_schedule.py`), so the balancer sizes each edge's share by that spare
+time; with `target_attainment` set, an edge below it also sits the round out (for edges whose
+co-execution is not work-conserving).
 
 For edge i the report gives: request rate λ_i, SLO attainment A_i (None: nothing completed yet),
 spare capacity s_i ∈ [0, 1] (fraction of time not serving), queue depth q_i, local training
@@ -12,7 +15,7 @@ examples n_i, last quality gain per 1k training tokens g_i (None: unknown) and i
 throughput c_i (tokens/s). With target attainment A*, round deadline D, round token budget B,
 spare-use fraction u and minimum share m:
 
-    eligible_i  =  n_i > 0  and  (A_i is None  or  A_i ≥ A*)
+    eligible_i  =  n_i > 0  and  (A* unset  or  A_i is None  or  A_i ≥ A*)
 
     cap_i       =  c_i · s_i · u · D / (1 + q_i)          tokens the edge can train in its spare
                                                           time before the deadline; a waiting
@@ -37,33 +40,21 @@ budget ⌊x_i⌋ tokens and the same deadline D.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from collm.common.protocol import LoadReport
 
 GAIN_FLOOR_FRACTION = 0.01  # ε above
 
 
 @dataclass(frozen=True)
-class EdgeReport:
-    """One edge's load report, as sent in its QUERY reply."""
-
-    name: str
-    request_rate: float              # λ, requests/s
-    slo_attainment: float | None     # A, fraction of requests within SLO; None = nothing completed yet
-    spare_capacity: float            # s, fraction of time not serving, [0, 1]
-    queue_depth: float               # q, requests waiting
-    train_examples: int              # n, local training examples
-    gain_per_ktok: float | None      # g, quality gain per 1k training tokens last round; None = unknown
-    train_tokens_per_s: float        # c, training throughput when idle
-
-
-@dataclass(frozen=True)
 class BalancerParams:
-    target_attainment: float         # A*
+    target_attainment: float | None  # A* (None: no attainment gate)
     round_deadline_s: float          # D
     round_token_budget: int          # B
     min_edge_tokens: int             # m
     spare_use: float                 # u
-    mode: str = "slo"                # "uniform": B/N to every edge with data (a baseline, no SLO rule)
 
 
 @dataclass(frozen=True)
@@ -79,14 +70,14 @@ class Decision:
     weight: float = 0.0
 
 
-def capacity(r: EdgeReport, p: BalancerParams) -> float:
+def capacity(r: LoadReport, p: BalancerParams) -> float:
     """cap_i = c_i · s_i · u · D / (1 + q_i): tokens trainable in spare time before the deadline."""
     spare = min(max(r.spare_capacity, 0.0), 1.0)
     tokens_in_spare_time = max(r.train_tokens_per_s, 0.0) * spare * p.spare_use * p.round_deadline_s
     return tokens_in_spare_time / (1.0 + max(r.queue_depth, 0.0))
 
 
-def gain_estimates(reports: list[EdgeReport]) -> dict[str, float]:
+def gain_estimates(reports: list[LoadReport]) -> dict[str, float]:
     """ĝ_i: the reported gain, or the mean of the known ones, floored at ε · ḡ⁺."""
     known = [r.gain_per_ktok for r in reports if r.gain_per_ktok is not None]
     mean = sum(known) / len(known) if known else 1.0
@@ -116,16 +107,15 @@ def water_fill(weights: dict[str, float], caps: dict[str, float], budget: float)
     return x
 
 
-def balance(reports: list[EdgeReport], p: BalancerParams) -> list[Decision]:
+def balance(reports: list[LoadReport], p: BalancerParams) -> list[Decision]:
     """One decision per report, in the same order (see the module docstring for the rule)."""
-    if p.mode == "uniform":
-        return _uniform(reports, p)
     reasons: dict[str, str] = {}
     eligible = []
     for r in reports:
         if r.train_examples <= 0:
             reasons[r.name] = "no local training examples"
-        elif r.slo_attainment is not None and r.slo_attainment < p.target_attainment:
+        elif (p.target_attainment is not None and r.slo_attainment is not None
+              and r.slo_attainment < p.target_attainment):
             reasons[r.name] = f"below SLO target: attainment {r.slo_attainment:.2f} < {p.target_attainment:.2f}"
         else:
             eligible.append(r)
@@ -168,10 +158,14 @@ def balance(reports: list[EdgeReport], p: BalancerParams) -> list[Decision]:
     return decisions
 
 
-def _uniform(reports: list[EdgeReport], p: BalancerParams) -> list[Decision]:
+def uniform(reports: list[LoadReport], p: BalancerParams) -> list[Decision]:
     """The baseline without a balancer: every edge with data trains B/N tokens, load ignored."""
     with_data = [r for r in reports if r.train_examples > 0]
     share = p.round_token_budget // max(len(with_data), 1)
     return [Decision(r.name, r.train_examples > 0, share if r.train_examples > 0 else 0, p.round_deadline_s,
                      "uniform share (balancer off)" if r.train_examples > 0 else "no local training examples")
             for r in reports]
+
+
+BALANCERS: dict[str, Callable[[list[LoadReport], BalancerParams], list[Decision]]] = {
+    "slo": balance, "uniform": uniform}

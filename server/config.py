@@ -35,7 +35,9 @@ class BalancerConfig(Strict):
 
     mode: Literal["slo", "uniform"] = Field("slo", description="slo: the rule in collm.server.balancer; "
                                                  "uniform: every edge gets budget/N (a baseline)")
-    target_attainment: float = Field(0.95, gt=0, le=1, description="SLO attainment an edge must keep")
+    target_attainment: float | None = Field(None, gt=0, le=1, description="an edge whose SLO attainment is below "
+                                            "this sits the round out (unset: none does; CoLLM edges train only in time "
+                                            "serving does not need, so a busy edge trains less, not at all)")
     round_deadline_s: float = Field(120.0, gt=0, description="edges stop training after this long")
     round_token_budget: int = Field(20000, ge=1, description="training tokens per round, all edges together")
     min_edge_tokens: int = Field(256, ge=0, description="an edge offered fewer tokens sits the round out")

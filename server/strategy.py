@@ -32,10 +32,11 @@ from flwr.supercore import log
 
 from collm.common import protocol as P
 
-from collm.server.balancer import BalancerParams, Decision, EdgeReport, balance
+from collm.common.protocol import LoadReport
+from collm.server.balancer import BALANCERS, BalancerParams, Decision
 from collm.server.checkpoints import write_round
 from collm.server.config import ServerConfig
-from collm.server.replies import edge_name, parse_report
+from collm.server.replies import edge_name
 from collm.server.robust import Update, screen_updates
 
 
@@ -63,8 +64,8 @@ class CollmRounds:
             round_token_budget=server_cfg.balancer.round_token_budget,
             min_edge_tokens=server_cfg.balancer.min_edge_tokens,
             spare_use=server_cfg.balancer.spare_use,
-            mode=server_cfg.balancer.mode,
         )
+        self.balance = BALANCERS[server_cfg.balancer.mode]  # the rule, or the uniform baseline
         self.history: dict[int, dict] = {}        # real round -> what happened (metrics.json)
         self._global: dict[str, np.ndarray] = {}  # the adapter sent out this round
         self._started: dict[int, float] = {}
@@ -146,7 +147,7 @@ class CollmRounds:
         node_ids = [m.metadata.dst_node_id for m in base]
 
         reports, no_report = self._query_reports(r, node_ids, grid)
-        decisions = {d.name: d for d in balance(list(reports.values()), self.balancer_params)}
+        decisions = {d.name: d for d in self.balance(list(reports.values()), self.balancer_params)}
         messages = []
         for nid in node_ids:
             if nid in no_report:
@@ -172,13 +173,13 @@ class CollmRounds:
         return messages
 
     def _query_reports(self, r: int, node_ids: list[int],
-                       grid: Grid) -> tuple[dict[int, EdgeReport], dict[int, str]]:
+                       grid: Grid) -> tuple[dict[int, LoadReport], dict[int, str]]:
         """Fresh load reports by node id, and why the nodes without one have none."""
         queries = [Message(RecordDict({P.CONFIG: ConfigRecord({P.SERVER_ROUND: r})}),
                            dst_node_id=nid, message_type=MessageType.QUERY) for nid in node_ids]
         replies = list(grid.send_and_receive(queries, timeout=self.server_cfg.query_timeout_s))
         names = self._names_of(replies)
-        reports: dict[int, EdgeReport] = {}
+        reports: dict[int, LoadReport] = {}
         missing = {nid: f"no load report within {self.server_cfg.query_timeout_s:g} s" for nid in node_ids}
         for rep in replies:
             nid = rep.metadata.src_node_id
@@ -187,7 +188,7 @@ class CollmRounds:
             elif P.REPORT not in rep.content.metric_records:
                 missing[nid] = "QUERY reply has no 'report' MetricRecord"
             else:
-                reports[nid] = parse_report(names[nid], dict(rep.content[P.REPORT]))
+                reports[nid] = LoadReport.from_record(names[nid], dict(rep.content[P.REPORT]))
                 missing.pop(nid, None)
         return reports, missing
 

@@ -270,3 +270,18 @@ def test_a_dead_engine_makes_health_503(tmp_path):
         assert again.status_code == 503 and "restart" in again.json()["error"]["message"]
     finally:
         e.close()
+
+
+def test_the_real_load_report_carries_every_key_the_balancer_reads(edge):
+    from collm.common.protocol import LoadReport
+    from collm.edge_client.federation.client import FederatedEdge
+
+    post(edge, "/v1/completions", {"prompt": "warm", "max_tokens": 3})
+    record = FederatedEdge(edge.runtime).report()
+    assert set(record) == set(LoadReport.keys())
+    r = LoadReport.from_record("t", record)
+    snap = edge.engine.snapshot()
+    assert r.train_examples == snap.train_examples > 0
+    assert r.train_tokens_per_s == pytest.approx(snap.idle_train_tokens_per_s) and r.train_tokens_per_s > 0
+    assert r.adapter_version == snap.adapter_version >= 0
+    assert 0 <= r.spare_capacity <= 1 and r.request_rate > 0 and r.slo_attainment is not None

@@ -5,15 +5,16 @@ import random
 
 import pytest
 
-from collm.server.balancer import BalancerParams, EdgeReport, balance, capacity, water_fill
+from collm.common.protocol import LoadReport
+from collm.server.balancer import BALANCERS, BalancerParams, balance, capacity, uniform, water_fill
 
 P = BalancerParams(target_attainment=0.95, round_deadline_s=120.0, round_token_budget=20000,
                    min_edge_tokens=256, spare_use=0.8)
 
 
 def edge(name, *, spare=0.9, attain=0.99, queue=0.0, n=100, gain=1.0, tps=100.0, rate=1.0):
-    return EdgeReport(name=name, request_rate=rate, slo_attainment=attain, spare_capacity=spare,
-                      queue_depth=queue, train_examples=n, gain_per_ktok=gain, train_tokens_per_s=tps)
+    return LoadReport(name=name, request_rate=rate, slo_attainment=attain, spare_capacity=spare,
+                      queue_depth=queue, running=0, train_examples=n, gain_per_ktok=gain, train_tokens_per_s=tps)
 
 
 def by_name(decisions):
@@ -34,11 +35,17 @@ def test_queue_shrinks_capacity():
     assert capacity(edge("q", queue=3), P) == pytest.approx(capacity(edge("q"), P) / 4)
 
 
-def test_edge_below_slo_target_gets_no_training():
+def test_edge_below_slo_target_gets_no_training_when_the_gate_is_set():
     d = by_name(balance([edge("ok"), edge("slow", attain=0.91)], P))
     assert not d["slow"].take_part and d["slow"].budget_tokens == 0
     assert d["slow"].reason == "below SLO target: attainment 0.91 < 0.95"
     assert d["ok"].take_part
+
+
+def test_without_the_gate_a_busy_edge_trains_in_its_spare_time():
+    ungated = BalancerParams(None, 120.0, 20000, 256, 0.8)
+    d = by_name(balance([edge("ok"), edge("slow", attain=0.5, spare=0.3)], ungated))
+    assert d["slow"].take_part and d["slow"].budget_tokens == int(100 * 0.3 * 0.8 * 120)
 
 
 def test_unknown_attainment_is_eligible_and_no_data_is_not():
@@ -127,13 +134,12 @@ def test_water_fill_is_the_kkt_solution():
             assert all(cap[i] <= theta * w[i] + 1e-6 for i in range(n) if i not in free)
 
 
-def test_uniform_mode_ignores_load_and_slo():
-    from collm.server.balancer import BalancerParams, EdgeReport, balance
-
-    reports = [EdgeReport("a", 5.0, 0.5, 0.0, 9.0, 100, None, 100.0),
-               EdgeReport("b", 0.0, None, 1.0, 0.0, 100, None, 100.0),
-               EdgeReport("c", 0.0, None, 1.0, 0.0, 0, None, 100.0)]
-    p = BalancerParams(0.95, 60.0, 9000, 256, 0.8, mode="uniform")
-    d = {x.name: x for x in balance(reports, p)}
+def test_uniform_baseline_ignores_load_and_slo():
+    assert BALANCERS["uniform"] is uniform and BALANCERS["slo"] is balance
+    reports = [edge("a", rate=5.0, attain=0.5, spare=0.0, queue=9.0, gain=None),
+               edge("b", rate=0.0, attain=None, spare=1.0, gain=None),
+               edge("c", rate=0.0, attain=None, spare=1.0, gain=None, n=0)]
+    p = BalancerParams(0.95, 60.0, 9000, 256, 0.8)
+    d = {x.name: x for x in uniform(reports, p)}
     assert d["a"].take_part and d["a"].budget_tokens == d["b"].budget_tokens == 4500
     assert not d["c"].take_part

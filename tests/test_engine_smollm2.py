@@ -26,7 +26,7 @@ def test_training_lowers_holdout_loss_on_a_dolly_category(smollm2_lm):
         before = engine.evaluate().result(timeout=600)
         report = engine.train(TrainBudget(steps=8)).result(timeout=1200)
         assert report.steps == 8
-        engine.publish(engine.trainer.adapter.state_dict_peft(), 1, round=1)
+        engine.shadow.publish(engine.trainer.adapter.state_dict_peft(), 1, round=1)
         after = engine.evaluate().result(timeout=600)
         print(f"holdout loss {before.loss:.3f} -> {after.loss:.3f}, accuracy {before.accuracy:.3f} -> "
               f"{after.accuracy:.3f}, train {report.tokens} tokens in {report.seconds:.0f} s")

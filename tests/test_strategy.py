@@ -25,6 +25,7 @@ from collm.server.app import run, summary_table
 from collm.server.checkpoints import latest_complete_round, load_all_metrics, load_round
 from collm.server.config import ServerConfig
 from collm.server.strategy import CollmFedAdam, CollmFedProx, build_strategy
+from collm.common.protocol import LoadReport
 
 KEYS = {f"base_model.model.model.layers.{i}.self_attn.{m}_proj.lora_{w}.weight": shape
         for i in range(2) for m in ("q", "v") for w, shape in (("A", (4, 16)), ("B", (16, 4)))}
@@ -53,11 +54,10 @@ class FakeEdge:
     evals: list[int] = field(default_factory=list)
 
     def report(self) -> MetricRecord:
-        return MetricRecord({
-            "request-rate": 2.0, "slo-attainment": self.attainment, "spare-capacity": self.spare,
-            "queue-depth": 0.0, "running": 1.0, "train-examples": 100.0, "gain-per-ktok": -1.0,
-            "train-tokens-per-s": 1000.0, "goodput": 1.5, "adapter-version": float(len(self.train_configs)),
-        })
+        return MetricRecord(LoadReport(
+            name=self.name, request_rate=2.0, slo_attainment=self.attainment, spare_capacity=self.spare,
+            queue_depth=0.0, running=1.0, train_examples=100, gain_per_ktok=None, train_tokens_per_s=1000.0,
+            goodput=1.5, adapter_version=len(self.train_configs)).to_record())
 
     def delta(self) -> float:
         return 0.01 * (self.index + 1)
@@ -183,7 +183,8 @@ def make_grid(**specials) -> LocalGrid:
 def server_cfg(tmp_path, **overrides) -> ServerConfig:
     base = {"rounds": 2, "min_nodes": 3, "checkpoint_dir": str(tmp_path / "ckpt"),
             "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-            "balancer": {"round_deadline_s": 10}, "round_timeout_s": 30, "query_timeout_s": 5}
+            "balancer": {"round_deadline_s": 10, "target_attainment": 0.95}, "round_timeout_s": 30,
+            "query_timeout_s": 5}
     return validate_config(ServerConfig, deep_merge(base, overrides), "test")
 
 
@@ -229,7 +230,7 @@ def test_two_rounds_balancer_budgets_and_checkpoints(tmp_path):
     assert decisions["busy"]["budget_tokens"] == 800 and "spare 0.10" in decisions["busy"]["reason"]
     assert m1["kept"] == ["idle", "busy"] or m1["kept"] == ["busy", "idle"]
     assert set(m1["train"]) == {"idle", "busy"} and m1["train"]["idle"]["num-examples"] == 72
-    assert set(m1["eval"]) == {"idle", "busy", "slow"} and m1["wall_s"] >= 0
+    assert set(m1["eval"]) == {"idle", "busy", "slow"} and 0 < m1["wall_s"] < cfg.round_timeout_s
     table = summary_table(load_all_metrics(cfg.checkpoint_dir))
     assert "slow" in table and len(table.splitlines()) == 4
 
@@ -362,21 +363,14 @@ def test_failed_load_report_and_differing_metric_keys(tmp_path):
     assert ck.metrics["train"]["slow"]["extra"] == 1.0
 
 
-def test_fake_edges_speak_the_shared_protocol():
-    from collm.common import protocol
-
-    assert tuple(FakeEdge("x", 0).report().keys()) == protocol.REPORT_KEYS
-
-
-def test_parse_report_unknowns():
-    from collm.server.replies import parse_report
-
-    r = parse_report("e", {"slo-attainment": -1.0, "gain-per-ktok": -1.0, "spare-capacity": float("nan"),
-                           "train-examples": 12.0})
-    assert r.slo_attainment is None and r.gain_per_ktok is None and r.spare_capacity == 0.0
-    assert r.train_examples == 12 and r.train_tokens_per_s == 0.0
-    r = parse_report("e", {"slo-attainment": 0.97, "gain-per-ktok": -0.2})
-    assert r.slo_attainment == 0.97 and r.gain_per_ktok == -0.2
+def test_load_report_roundtrips_and_unknowns_parse_as_none():
+    r = LoadReport("e", 2.0, None, 0.5, 1.0, 3.0, 12, -0.2, 900.0, 1.5, 4)
+    assert LoadReport.from_record("e", r.to_record()) == r
+    assert tuple(r.to_record()) == LoadReport.keys()
+    u = LoadReport.from_record("e", {"slo-attainment": -1.0, "gain-per-ktok": -1.0, "spare-capacity": float("nan"),
+                                     "train-examples": 12.0})
+    assert u.slo_attainment is None and u.gain_per_ktok is None and u.spare_capacity == 0.0
+    assert u.train_examples == 12 and u.train_tokens_per_s == 0.0
 
 
 # ------------------------------------------------------------------------------ config

@@ -1,41 +1,49 @@
-"""When may a training (or evaluation) micro-batch run without costing any request its SLO?
+"""When may background work (training, evaluation) run on a replica that serves? The co-execution rule.
 
-The rule, evaluated by the engine after every serving step. A micro-batch predicted to take
-`tau` seconds runs only if `tau <= allowance`, where `allowance` is the minimum over:
+Background work comes in units: one decoder layer of one micro-batch, forward or backward, or one
+chunk of its loss (`training.layerwise`). Units resume where the last one stopped and are never
+thrown away, and each takes tens of milliseconds where a whole micro-batch takes seconds. The
+engine asks the rule once per loop, after its serving step, whether the next unit (predicted to
+take tau seconds) may run now:
 
-* every decoding request i (first token at f_i, g_i tokens out so far, TPOT target P_i):
-      a_i = s * P_i * g_i - (now - f_i) - t_step
-  i.e. even if i stops right after its next token, which would come after the micro-batch and
-  one more step, its time per output token (now + tau + t_step - f_i) / g_i stays <= s * P_i;
-* every request still before its first token j (arrived a_j, TTFT target T_j):
-      a_j = s * T_j - (now - a_j) - ceil((ahead_j + left_j) / B) * t_step
-  where ahead_j + left_j is the prompt work queued up to and including j and B the step token
-  budget: its first token, delayed by the micro-batch, still comes within s * T_j;
-* a request that may arrive during the micro-batch (default TTFT target T, typical prompt p).
-  Background passes are preemptible at decoder-layer boundaries (`preemption`), so an arrival
-  waits for at most one of the model's n_layers layers of background work, tau / n_layers:
-      a_new = n_layers * (s * T - t_prefill(p) - t_step)
+1. **Idle** (no request running or waiting): yes. An arriving request waits for at most the unit
+   in flight; an idle replica trains back to back.
+2. **Serving work that is not a decode** (a request waits for a slot, or a prompt is still being
+   prefilled): no. Serving is work-conserving: training never takes time that a waiting or
+   running request needs. A request's TTFT is what bursts break, and a queue is where it is lost.
+3. **Only decodes running**: the unit runs only if all three hold
+       tau <= bucket                         busy-period budget: `bucket` accrues
+                                             max(0, u - rho - margin) seconds per second, up to
+                                             `bucket_max_s`, where rho is the measured serving busy
+                                             fraction over the last `window_s` (rho = 1 while a
+                                             request waits) and u = `training.busy_share`
+       tau <= gamma * s * P_min - t_step     per-step cap: every running request's next token still
+                                             comes within gamma * s of its TPOT target P
+       tau <= allowance(...)                 the slack guard below: no request's TTFT or TPOT so far
+                                             goes past s times its target
+   With u = 0 (the default) training never runs while a request is being served, only in idle time.
 
-`s` is the safety factor (slo.safety). `t_step` and `t_prefill` come from the online cost model.
-While it runs, the micro-batch is preempted if a request arrives or `allowance` seconds pass,
-so a wrong cost prediction cannot take more than the slack it was given.
+The slack guard, `allowance`: the minimum over every decoding request i (first token at f_i, g_i
+tokens so far, TPOT target P_i) of  s * P_i * g_i - (now - f_i) - t_step, and over every request
+j still before its first token (arrived a_j, TTFT target T_j) of
+s * T_j - (now - a_j) - ceil(prefill queued up to j / B) * t_step. `s` is slo.safety, B the step
+token budget, `t_step` the cost model's next step.
 
-Which micro-batch: the largest option whose predicted time fits both the allowance and the
-expected gap to the next arrival (1 / arrival rate), so it is unlikely to be preempted; if only
-the arrival gap is too short, the smallest option that fits the allowance (preemption bounds the
-cost of guessing wrong); if nothing fits the allowance, the job waits.
-With no requests at all only `a_new` applies, so an idle replica trains back to back.
+The baseline `naive` (colocated-naive in collm-bench) ignores all of this: after every serving
+step it runs one whole micro-batch (every unit of it), as a deployment without SLO control would.
+Policies are chosen by `training.co_schedule` (`POLICIES`); each is a small object over plain data.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class RequestSlack:
-    """What the rule needs to know about one admitted or waiting request (times in seconds)."""
+    """What the slack guard needs to know about one admitted or waiting request (times in seconds)."""
 
     arrival: float
     first_token_at: float | None
@@ -52,10 +60,9 @@ class Allowance:
 
 
 def allowance(now: float, requests: list[RequestSlack], *, step_s: float, step_token_budget: int,
-              default_ttft_slo: float, new_arrival_prefill_s: float, safety: float,
-              n_layers: int = 1) -> Allowance:
-    """How long background work may hold the replica right now (see the module docstring)."""
-    best = Allowance(n_layers * (safety * default_ttft_slo - new_arrival_prefill_s - step_s), "new-arrival")
+              safety: float) -> Allowance:
+    """How long background work may hold the replica before some request's SLO slips (see the docstring)."""
+    best = Allowance(math.inf, "idle")
     ahead = 0
     for r in sorted(requests, key=lambda r: r.arrival):
         if r.first_token_at is not None:
@@ -71,13 +78,134 @@ def allowance(now: float, requests: list[RequestSlack], *, step_s: float, step_t
     return best
 
 
-def pick_microbatch(options: list[tuple[object, float]], allowance_s: float,
-                    arrival_gap_s: float = float("inf")) -> object | None:
-    """Choose among (option, predicted seconds), given most preferred first (see module docstring)."""
-    fitting = [(o, t) for o, t in options if t <= allowance_s]
-    if not fitting:
-        return None
-    for o, t in fitting:
-        if t <= arrival_gap_s:
-            return o
-    return min(fitting, key=lambda ot: ot[1])[0]
+@dataclass(frozen=True)
+class ServingLoad:
+    """The replica's serving state when the rule is asked (plain data; the engine fills it in)."""
+
+    now: float
+    running: int  # admitted requests
+    waiting: int  # requests not yet admitted
+    prefill_left: int  # prompt tokens of admitted requests not yet run
+    step_s: float  # predicted time of the next serving step
+    requests: tuple[RequestSlack, ...] = ()
+    step_token_budget: int = 256
+    safety: float = 0.8
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and self.waiting == 0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    run: bool
+    reason: str  # idle | serving-first | bucket | per-step-cap | slack | busy-share-off | naive
+
+
+class BusyWindow:
+    """rho: the fraction of the last `window_s` seconds spent in serving steps."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._steps: deque[tuple[float, float]] = deque()  # (end time, seconds)
+        self._sum = 0.0
+
+    def record(self, end: float, seconds: float) -> None:
+        self._steps.append((end, seconds))
+        self._sum += seconds
+
+    def rho(self, now: float) -> float:
+        start = now - self.window_s
+        while self._steps and self._steps[0][0] <= start:
+            self._sum -= self._steps.popleft()[1]
+        if not self._steps:
+            self._sum = 0.0
+            return 0.0
+        first_end, first_s = self._steps[0]
+        clipped = max(0.0, first_end - start)  # the part of the oldest step inside the window
+        return min(1.0, (self._sum - first_s + min(first_s, clipped)) / self.window_s)
+
+
+class CoSchedule:
+    """Interface of a co-execution policy; the engine calls it once per loop iteration."""
+
+    name = "base"
+    whole_passes = False  # True: once a micro-batch starts, run all of its units at once
+
+    def observe_step(self, end: float, seconds: float) -> None:
+        """A serving step of `seconds` ended at `end` (perf_counter time)."""
+
+    def verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
+        raise NotImplementedError
+
+    def spent(self, seconds: float) -> None:
+        """A unit the verdict admitted took `seconds`."""
+
+
+class WorkConserving(CoSchedule):
+    """CoLLM's rule (the module docstring): idle time always, busy time only within the bucket and caps."""
+
+    name = "work_conserving"
+
+    def __init__(self, busy_share: float = 0.0, margin: float = 0.1, gamma: float = 0.5, window_s: float = 10.0,
+                 bucket_max_s: float = 1.0):
+        self.busy_share, self.margin, self.gamma = busy_share, margin, gamma
+        self.window = BusyWindow(window_s)
+        self.bucket_max_s = bucket_max_s
+        self.bucket = 0.0
+        self._accrued_at: float | None = None
+
+    def observe_step(self, end: float, seconds: float) -> None:
+        self.window.record(end, seconds)
+
+    def _accrue(self, load: ServingLoad) -> float:
+        rho = 1.0 if load.waiting else self.window.rho(load.now)
+        if self._accrued_at is not None:
+            dt = max(0.0, load.now - self._accrued_at)
+            self.bucket = min(self.bucket_max_s, self.bucket + dt * max(0.0, self.busy_share - rho - self.margin))
+        self._accrued_at = load.now
+        return rho
+
+    def verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
+        self._accrue(load)
+        if load.idle:
+            return Verdict(True, "idle")
+        if load.waiting or load.prefill_left:
+            return Verdict(False, "serving-first")
+        if self.busy_share <= 0:
+            return Verdict(False, "busy-share-off")
+        if unit_s > self.bucket:
+            return Verdict(False, "bucket")
+        p_min = min((r.tpot_slo for r in load.requests), default=math.inf)
+        if unit_s > self.gamma * load.safety * p_min - load.step_s:
+            return Verdict(False, "per-step-cap")
+        guard = allowance(load.now, list(load.requests), step_s=load.step_s,
+                          step_token_budget=load.step_token_budget, safety=load.safety)
+        if unit_s > guard.seconds:
+            return Verdict(False, "slack")
+        return Verdict(True, "busy-share")
+
+    def spent(self, seconds: float) -> None:
+        if self._accrued_at is not None:
+            self.bucket = max(0.0, self.bucket - seconds)
+
+
+class Naive(CoSchedule):
+    """The colocated-naive baseline: one whole micro-batch after every step, no SLO control."""
+
+    name = "naive"
+    whole_passes = True
+
+    def verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
+        return Verdict(True, "naive")
+
+
+POLICIES: dict[str, type[CoSchedule]] = {"work_conserving": WorkConserving, "naive": Naive}
+
+
+def make_policy(training_cfg) -> CoSchedule:
+    """The policy `training.co_schedule` names, with the rule's knobs from the same section."""
+    if training_cfg.co_schedule == "naive":
+        return Naive()
+    return WorkConserving(busy_share=training_cfg.busy_share, margin=training_cfg.busy_margin,
+                          window_s=training_cfg.busy_window_s)

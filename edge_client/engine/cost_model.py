@@ -1,4 +1,4 @@
-"""Online cost models: how long a serving step or a training micro-batch will take.
+"""Online cost models: how long a serving step, a unit of background work or a micro-batch will take.
 
 Each is a linear model over a few features, refit by least squares on the measurements of the
 last `max_age_s` seconds (so it follows the machine as it gets busier or quieter), pulled toward
@@ -9,7 +9,9 @@ measured to predicted time; so an edge that has been idle for a while falls back
 calibration.
 
 * serving step:  t = c0 + c1 * decode_seqs + c2 * prefill_tokens + c3 * attended_kv_tokens / 1000
-* micro-batch:   t = c0 + c1 * tokens           (separate models for training and evaluation)
+* one unit:      t = c0 + c1 * tokens           per (job kind, unit kind): train/eval x forward/head/backward
+* micro-batch:   t = c0 + c1 * tokens           the sum of one whole pass's units, per job kind: what the
+                                                load report's idle training throughput is computed from
 """
 
 from __future__ import annotations
@@ -101,19 +103,34 @@ def step_features(decode_seqs: int, prefill_tokens: int, attended_kv: int) -> li
     return [float(decode_seqs), float(prefill_tokens), attended_kv / 1000.0]
 
 
+UNIT_PRIORS = {"forward": [0.002, 2e-5], "head": [0.002, 1e-4], "backward": [0.004, 4e-5]}
+
+
 class CostModels:
-    """The three models one engine keeps; priors are deliberately pessimistic until measured."""
+    """The models one engine keeps; priors are deliberately pessimistic until measured."""
 
     def __init__(self):
         self.step = LinearCostModel(3, [0.01, 0.01, 0.002, 0.001])
-        self.train = LinearCostModel(1, [0.05, 0.004])
-        self.eval = LinearCostModel(1, [0.02, 0.0015])
+        self.train = LinearCostModel(1, [0.05, 0.004])  # one training micro-batch pass
+        self.eval = LinearCostModel(1, [0.02, 0.0015])  # one evaluation pass
+        self.units = {(job, kind): LinearCostModel(1, prior) for job in ("train", "eval")
+                      for kind, prior in UNIT_PRIORS.items()}
+
+    def all_models(self) -> list[LinearCostModel]:
+        return [self.step, self.train, self.eval, *self.units.values()]
 
     def step_time(self, decode_seqs: int, prefill_tokens: int, attended_kv: int) -> float:
         return self.step.predict(step_features(decode_seqs, prefill_tokens, attended_kv))
 
     def microbatch_time(self, kind: str, tokens: int) -> float:
+        """One whole micro-batch pass of a job of `kind` over `tokens` input tokens."""
         return (self.train if kind == "train" else self.eval).predict([float(tokens)])
+
+    def unit_time(self, job_kind: str, unit_kind: str, tokens: int) -> float:
+        return self.units[(job_kind, unit_kind)].predict([float(tokens)])
+
+    def observe_unit(self, job_kind: str, unit_kind: str, tokens: int, seconds: float) -> None:
+        self.units[(job_kind, unit_kind)].observe([float(tokens)], seconds)
 
     def snapshot(self) -> dict:
         return {
@@ -124,14 +141,18 @@ class CostModels:
 
 
 class FixedCosts(CostModels):
-    """Constant costs (deterministic tests of the scheduling rule)."""
+    """Constant costs (deterministic tests of the co-execution rule)."""
 
-    def __init__(self, step_s: float, train_s: float, eval_s: float | None = None):
+    def __init__(self, step_s: float, unit_s: float, train_s: float | None = None):
         super().__init__()
-        self._step, self._train, self._eval = step_s, train_s, eval_s if eval_s is not None else train_s / 3
+        self._step, self._unit = step_s, unit_s
+        self._train = train_s if train_s is not None else 10 * unit_s
 
     def step_time(self, decode_seqs: int, prefill_tokens: int, attended_kv: int) -> float:
         return self._step
 
+    def unit_time(self, job_kind: str, unit_kind: str, tokens: int) -> float:
+        return self._unit
+
     def microbatch_time(self, kind: str, tokens: int) -> float:
-        return self._train if kind == "train" else self._eval
+        return self._train

@@ -4,14 +4,15 @@ The loop (`Engine._loop`) is the algorithm, in order:
 
 1. take new requests and cancellations from other threads;
 2. admit waiting requests while a KV slot is free, pinning the current serving adapter version;
-3. plan a step: one decode token per running request, then prefill chunks (first come, first
-   served) up to the step token budget, so a long prompt never stalls running decodes;
+3. plan a step (`planner.plan_step`): one decode token per running request, then prefill chunks
+   (first come, first served) up to the step token budget;
 4. run the step (one forward over all of it, each request with its pinned adapter), sample, stream;
-5. maybe run one training or evaluation micro-batch, if the co-scheduler's rule
-   (`co_scheduler.allowance`) says every request keeps its SLO slack.
+5. maybe run one unit of background work (a training or evaluation micro-batch is a sequence of
+   layer-sized units, `training.layerwise`), if the co-execution rule (`co_schedule`) says serving
+   does not need the replica now.
 
-Other threads talk to the engine through `submit`, `cancel`, `publish`, `train`, `evaluate` and
-`snapshot`; only the loop thread runs the model.
+Other threads talk to the engine through `submit`, `cancel`, `train`, `evaluate`, `end_jobs` and
+`snapshot`; adapters are published through `engine.shadow`. Only the loop thread runs the model.
 """
 
 from __future__ import annotations
@@ -23,92 +24,33 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
-from collm.edge_client.config import EdgeConfig
 from collm.common.data import format_example
-from collm.edge_client.training.data import EdgeData
-from collm.edge_client.model.loading import LoadedModel
-
-from collm.edge_client.engine.co_schedule import RequestSlack, allowance, pick_microbatch
+from collm.common.slo import SLO
+from collm.edge_client.config import EdgeConfig
+from collm.edge_client.engine.co_schedule import RequestSlack, ServingLoad, make_policy
 from collm.edge_client.engine.cost_model import CostModels, step_features
-from collm.edge_client.model.lora import AdapterWeights, TrainableAdapter, inject_lora
+from collm.edge_client.engine.planner import next_step_shape, plan_step, step_shape
+from collm.edge_client.engine.requests import (AdmittedEvent, EngineError, EngineFailed, FinishEvent, PromptTooLong,
+                                               QueueFull, Request, ShuttingDown, TokenEvent)
+from collm.edge_client.engine.telemetry import EdgeSnapshot, RequestRecord, Telemetry
+from collm.edge_client.model.loading import LoadedModel
+from collm.edge_client.model.lora import TrainableAdapter, inject_lora
 from collm.edge_client.model.runner import KVPool, ModelRunner, Segment
-from collm.edge_client.engine.preemption import Preempted, preemptible
 from collm.edge_client.model.sampling import SamplingParams, TextStream, make_generator, sample_next
 from collm.edge_client.model.shadow import ShadowAdapter
-from collm.edge_client.engine.telemetry import RequestRecord, Telemetry
-from collm.edge_client.training.trainer import BackgroundJob, EvalJob, JobReport, LocalTrainer, Option, TrainBudget
+from collm.edge_client.training.data import EdgeData
+from collm.edge_client.training.evaluation import EvalJob
+from collm.edge_client.training.jobs import BackgroundJob, JobReport, TrainBudget
+from collm.edge_client.training.layerwise import ModelParts
+from collm.edge_client.training.trainer import LocalTrainer
+
+__all__ = ["AdmittedEvent", "Engine", "EngineError", "EngineFailed", "FinishEvent", "PromptTooLong", "QueueFull",
+           "Request", "ShuttingDown", "TokenEvent", "plan_kv"]
 
 log = logging.getLogger("collm.engine")
-
-
-class EngineError(Exception):
-    """A request the engine cannot take; the message says why and what the limit is."""
-
-
-class QueueFull(EngineError):
-    pass
-
-
-class PromptTooLong(EngineError):
-    pass
-
-
-class ShuttingDown(EngineError):
-    pass
-
-
-class EngineFailed(EngineError):
-    """The engine loop died (a bug, not a request's fault): the process should be restarted."""
-
-
-@dataclass
-class AdmittedEvent:
-    """The request got a slot; it is pinned to this adapter version for its whole life."""
-
-    adapter_version: int
-
-
-@dataclass
-class TokenEvent:
-    text: str
-    token_id: int
-    index: int
-
-
-@dataclass
-class FinishEvent:
-    reason: str
-    record: RequestRecord
-    text: str  # the whole generated text
-    token_ids: list[int]
-
-
-@dataclass
-class Request:
-    id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    ttft_slo: float
-    tpot_slo: float
-    on_event: Callable[[object], None]
-    arrival: float = field(default_factory=time.perf_counter)
-    slot: int | None = None
-    adapter: AdapterWeights | None = None
-    prefilled: int = 0
-    out_ids: list[int] = field(default_factory=list)
-    stream: TextStream | None = None
-    generator: torch.Generator | None = None
-    first_token_at: float | None = None
-    cancelled: bool = False
-    finished: bool = False
-
-    @property
-    def adapter_version(self) -> int | None:
-        return None if self.adapter is None else self.adapter.version
 
 
 def plan_kv(cfg: EdgeConfig, runner: ModelRunner, model_max: int) -> tuple[int, int]:
@@ -132,10 +74,13 @@ class Engine:
         self.device = lm.device
         self.layers = inject_lora(lm.model, cfg.lora.target_modules, cfg.lora.r, cfg.lora.alpha)
         self.runner = ModelRunner(lm.model)
+        self.parts = ModelParts(lm.model)
         slots, slot_len = plan_kv(cfg, self.runner, lm.max_context)
         self.pool = self.runner.new_pool(slots, slot_len)
         self.max_context = slot_len
+        self.slo = cfg.slo.targets
         self.costs = costs or CostModels()
+        self.policy = make_policy(cfg.training)
         self.telemetry = Telemetry()
         self.shadow = ShadowAdapter(self.layers, lm.device, lm.dtype)
         adapter = TrainableAdapter(self.layers, lm.device, seed=seed)
@@ -149,7 +94,7 @@ class Engine:
             self.holdout = [format_example(tok, r, L) for r in data.holdout]
             if cfg.training.max_eval_records:
                 self.holdout = self.holdout[: cfg.training.max_eval_records]
-            self.trainer = LocalTrainer(lm.model, adapter, cfg.training, train, tok.pad_token_id,
+            self.trainer = LocalTrainer(self.parts, self.layers, adapter, cfg.training, train, tok.pad_token_id,
                                         cfg.lora.dropout, seed)
         eos = {self.tokenizer.eos_token_id}
         gen_eos = getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None)
@@ -162,27 +107,27 @@ class Engine:
         self._running: list[Request] = []
         self._jobs: deque[BackgroundJob] = deque()
         self._job: BackgroundJob | None = None
-        self._ending_jobs = False  # set at shutdown: end background jobs at the next micro-batch boundary
-        self._typical_prompt = 128.0
+        self._pass_s = 0.0  # compute seconds of the current job's micro-batch so far
+        self._ending_jobs = False  # set at shutdown: end background jobs at the next unit boundary
         self._accepting = True
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._arrivals: deque[float] = deque()
         self.failure: str | None = None  # set if the loop dies; /health then answers 503
         self.on_failure: list[Callable[[str], None]] = []  # called once, from the dying loop thread
 
     # ================================================================= public API (any thread)
     def start(self) -> Engine:
         if self.cfg.engine.warmup:
-            self.warmup()
+            from collm.edge_client.engine.warmup import warm_up
+
+            warm_up(self)
         self._thread = threading.Thread(target=self._run_loop, name="collm-engine", daemon=True)
         self._thread.start()
         return self
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[object], None],
-               ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
-               request_id: str | None = None) -> Request:
-        """Queue a request; events (TokenEvent..., FinishEvent) arrive on the engine thread."""
+               slo: SLO | None = None, request_id: str | None = None) -> Request:
+        """Queue a request; events (AdmittedEvent, TokenEvent..., FinishEvent) arrive on the engine thread."""
         params.validate()
         if self.failure is not None:
             raise EngineFailed(f"the engine failed ({self.failure}); this edge must be restarted")
@@ -195,15 +140,12 @@ class Engine:
             raise PromptTooLong(
                 f"this edge's maximum context length is {self.max_context} tokens; the request needs "
                 f"{need} ({len(prompt_ids)} prompt + {params.max_tokens} max_tokens)")
-        req = Request(
-            id=request_id or f"req-{uuid.uuid4().hex[:12]}", prompt_ids=list(prompt_ids), params=params,
-            ttft_slo=(ttft_slo_s or self.cfg.slo.ttft_ms / 1000), tpot_slo=(tpot_slo_s or self.cfg.slo.tpot_ms / 1000),
-            on_event=on_event)
+        req = Request(id=request_id or f"req-{uuid.uuid4().hex[:12]}", prompt_ids=list(prompt_ids), params=params,
+                      slo=slo or self.slo, on_event=on_event)
         with self._lock:
             if len(self._waiting) + len(self._incoming) >= self.cfg.engine.max_queue + self.free_slots():
                 raise QueueFull(f"the queue is full ({self.cfg.engine.max_queue} waiting requests)")
             self._incoming.append(req)
-            self._arrivals.append(req.arrival)
             self._lock.notify()
         return req
 
@@ -213,13 +155,9 @@ class Engine:
         with self._lock:
             self._lock.notify()
 
-    def publish(self, state: dict, version: int, **meta) -> None:
-        """Swap serving to a new adapter version (copy off the serving path, then an atomic flip)."""
-        self.shadow.publish(state, version, **meta)
-
     def train(self, budget: TrainBudget, global_state: dict | None = None, proximal_mu: float = 0.0,
               lr: float | None = None) -> Future:
-        """Queue local training in SLO slack; the future resolves to a JobReport."""
+        """Queue local training; the future resolves to a JobReport."""
         if self.trainer is None:
             raise EngineError("this engine has no training data")
         return self._queue_job(self.trainer.job(budget, global_state, proximal_mu, lr))
@@ -235,7 +173,7 @@ class Engine:
             weights = self.shadow.current if version is None else self.shadow.weights_of(version)
             if weights is None:
                 raise EngineError(f"adapter version {version} is not loaded")
-        job = EvalJob(self.lm.model, weights, self.holdout, self.cfg.training.eval_batch_size,
+        job = EvalJob(self.parts, weights, self.holdout, self.cfg.training.eval_batch_size,
                       self.tokenizer.pad_token_id, self.device, deadline_s)
         return self._queue_job(job)
 
@@ -246,8 +184,8 @@ class Engine:
         return job.future
 
     def end_jobs(self) -> None:
-        """End the current and queued background jobs at the next micro-batch boundary (shutdown):
-        their futures resolve with what was done so far, marked as cut short by the deadline."""
+        """End the current and queued background jobs at the next unit boundary (shutdown): their
+        futures resolve with what was done so far, marked as cut short by the deadline."""
         with self._lock:
             self._ending_jobs = True
             self._lock.notify()
@@ -256,32 +194,38 @@ class Engine:
         return self.pool.free_slots
 
     def load(self) -> dict:
-        """Requests and work queued on this replica (read by the router and the balancer)."""
+        """Requests and work queued on this replica now."""
         with self._lock:
             running, waiting = list(self._running), list(self._waiting) + list(self._incoming)
             jobs = len(self._jobs) + (self._job is not None)
         return {
             "running": len(running), "waiting": len(waiting), "jobs": jobs,
             "pending_decode_tokens": sum(r.params.max_tokens - len(r.out_ids) for r in running + waiting),
-            "pending_prefill_tokens": sum(len(r.prompt_ids) - r.prefilled for r in running + waiting),
+            "pending_prefill_tokens": sum(r.prefill_left for r in running + waiting),
             "running_kv_tokens": sum(len(r.prompt_ids) + len(r.out_ids) for r in running),
         }
 
-    def snapshot(self) -> dict:
-        snap = self.telemetry.snapshot()
-        snap.update(self.load())
-        snap.update({
-            "adapter_version": self.shadow.current_version,
-            "adapter_versions_alive": self.shadow.alive_versions(),
-            "swaps": self.shadow.swaps,
-            "max_context": self.max_context,
-            "max_running": self.pool.slots,
-            "train_steps_total": self.trainer.total_steps if self.trainer else 0,
-            "last_train_loss": self.trainer.last_loss if self.trainer else None,
-            "costs": self.costs.snapshot(),
-            "predicted_decode_step_s": self.costs.step_time(max(1, snap["running"]), 0, snap["running_kv_tokens"]),
-        })
-        return snap
+    def idle_train_tokens_per_s(self) -> float:
+        """Training throughput of this replica when it does nothing else (a typical micro-batch)."""
+        t = self.cfg.training
+        ref = max(1, t.micro_batch_size * t.max_seq_len // 2)
+        return ref / max(self.costs.microbatch_time("train", ref), 1e-6)
+
+    def snapshot(self) -> EdgeSnapshot:
+        load = self.load()
+        t = self.trainer
+        return EdgeSnapshot(
+            window=self.telemetry.snapshot(), **load,
+            adapter_version=self.shadow.current_version, adapter_versions_alive=self.shadow.alive_versions(),
+            swaps=self.shadow.swaps, max_context=self.max_context, max_running=self.pool.slots,
+            step_token_budget=self.cfg.engine.step_token_budget, ttft_target_s=self.slo.ttft_s,
+            tpot_target_s=self.slo.tpot_s, slo_safety=self.cfg.slo.safety,
+            train_examples=len(t.stream.examples) if t else 0, train_steps_total=t.total_steps if t else 0,
+            last_train_loss=t.last_loss if t else None,
+            idle_train_tokens_per_s=self.idle_train_tokens_per_s() if t else 0.0,
+            step_coef=tuple(float(c) for c in self.costs.step.coef),
+            predicted_decode_step_s=self.costs.step_time(max(1, load["running"]), 0, load["running_kv_tokens"]),
+            failure=self.failure)
 
     def stop(self, grace_s: float = 0.0) -> None:
         """Stop admitting; let running and queued requests finish within `grace_s`; stop the loop."""
@@ -340,10 +284,10 @@ class Engine:
             segments = self._plan_step()
             if segments:
                 self._serve_step(segments)
-            ran = self._maybe_background()
+            ran = self._run_background()
             if not segments and not ran:
                 with self._lock:
-                    self._lock.wait(0.01)  # a deferred job with nothing to serve: don't spin
+                    self._lock.wait(0.01)  # a job that must wait with nothing to serve: don't spin
         self._fail_all("the edge stopped")
 
     def _has_job(self) -> bool:
@@ -372,35 +316,15 @@ class Engine:
                 log.exception("request %s: could not be admitted", r.id)
                 self._finish(r, "error")
                 continue
-            self._typical_prompt = 0.9 * self._typical_prompt + 0.1 * len(r.prompt_ids)
             self._emit(r, AdmittedEvent(r.adapter.version))
 
     def _plan_step(self) -> list[Segment]:
-        budget = self.cfg.engine.step_token_budget
-        segs = []
-        for r in self._running:  # decodes first: one token each
-            if r.prefilled == len(r.prompt_ids):
-                pos = len(r.prompt_ids) + len(r.out_ids) - 1
-                segs.append(Segment(r.slot, pos, [r.out_ids[-1]], r.adapter, True))
-                budget -= 1
-        for r in self._running:  # then prefill chunks, oldest request first
-            left = len(r.prompt_ids) - r.prefilled
-            if left and budget > 0:
-                n = min(left, budget)
-                segs.append(Segment(r.slot, r.prefilled, r.prompt_ids[r.prefilled:r.prefilled + n], r.adapter,
-                                    r.prefilled + n == len(r.prompt_ids)))
-                budget -= n
-        segs.sort(key=lambda s: s.adapter.version)  # contiguous rows per adapter version
-        return segs
+        return plan_step(self._running, self.cfg.engine.step_token_budget)
 
     def _serve_step(self, segments: list[Segment]) -> None:
         by_slot = {r.slot: r for r in self._running}
-        # a request's segment is a prefill chunk until its prompt is all in (a 1-token last chunk
-        # looks like a decode but is not one)
-        prefilling = {s.slot for s in segments if by_slot[s.slot].prefilled < len(by_slot[s.slot].prompt_ids)}
-        decode = sum(1 for s in segments if s.slot not in prefilling)
-        prefill = sum(len(s.tokens) for s in segments) - decode
-        attended = sum(s.start + len(s.tokens) for s in segments)
+        prefilling = {s.slot for s in segments if not by_slot[s.slot].decoding}
+        shape = step_shape(segments, prefilling)
         t0 = time.perf_counter()
         wanting = [by_slot[s.slot] for s in segments if s.want_logits]
         try:
@@ -414,8 +338,9 @@ class Engine:
                 self._finish(by_slot[s.slot], "error")
             return
         now = time.perf_counter()
-        self.costs.step.observe(step_features(decode, prefill, attended), now - t0)
+        self.costs.step.observe(step_features(shape.decode, shape.prefill, shape.attended), now - t0)
         self.telemetry.record_step(now - t0, len(segments))
+        self.policy.observe_step(now, now - t0)
         for s in segments:
             if s.slot in prefilling:
                 by_slot[s.slot].prefilled += len(s.tokens)
@@ -424,8 +349,7 @@ class Engine:
                 self._on_token(r, tok, now)
             except Exception:  # noqa: BLE001 - e.g. detokenization: this request fails, not the engine
                 log.exception("request %s: token handling failed", r.id)
-                if r in self._running:
-                    self._finish(r, "error")
+                self._finish(r, "error")
 
     def _on_token(self, r: Request, tok: int, now: float) -> None:
         if r.first_token_at is None:
@@ -461,7 +385,7 @@ class Engine:
         rec = RequestRecord(
             id=r.id, adapter_version=-1 if r.adapter is None else r.adapter.version,
             prompt_tokens=len(r.prompt_ids), output_tokens=n, ttft_s=ttft, tpot_s=tpot, e2e_s=now - r.arrival,
-            ttft_slo_s=r.ttft_slo, tpot_slo_s=r.tpot_slo, finish_reason=reason, finished_at=time.time())
+            ttft_slo_s=r.slo.ttft_s, tpot_slo_s=r.slo.tpot_s, finish_reason=reason, finished_at=time.time())
         self.telemetry.record_request(rec)
         text = r.stream.text if r.stream is not None else ""
         self._emit(r, FinishEvent(reason, rec, text, list(r.out_ids)))
@@ -485,29 +409,25 @@ class Engine:
         self._jobs.clear()
 
     # ================================================================= background work
-    def _slack(self, now: float) -> float:
-        """The co-scheduler's allowance for background work right now (seconds)."""
-        budget = self.cfg.engine.step_token_budget
-        decoding = [r for r in self._running if r.prefilled == len(r.prompt_ids)]
-        pending_prefill = sum(len(r.prompt_ids) - r.prefilled for r in self._running)
-        step_s = self.costs.step_time(len(decoding), min(pending_prefill, budget),
-                                      sum(len(r.prompt_ids) + len(r.out_ids) for r in self._running))
-        reqs = [RequestSlack(r.arrival, r.first_token_at, len(r.out_ids), r.ttft_slo, r.tpot_slo,
-                             len(r.prompt_ids) - r.prefilled) for r in self._running]
-        reqs += [RequestSlack(r.arrival, None, 0, r.ttft_slo, r.tpot_slo, len(r.prompt_ids)) for r in self._waiting]
-        p = int(self._typical_prompt)
-        a = allowance(now, reqs, step_s=step_s, step_token_budget=budget,
-                      default_ttft_slo=self.cfg.slo.ttft_ms / 1000,
-                      new_arrival_prefill_s=self.costs.step_time(0, min(p, budget), p),
-                      safety=self.cfg.slo.safety, n_layers=self.runner.n_layers)
-        return a.seconds
+    def _serving_load(self, now: float) -> ServingLoad:
+        """The plain-data view of serving the co-execution rule decides from."""
+        with self._lock:
+            waiting = list(self._waiting) + list(self._incoming)
+        shape = next_step_shape(self._running, self.cfg.engine.step_token_budget)
+        step_s = self.costs.step_time(shape.decode, shape.prefill, shape.attended) if self._running else 0.0
+        reqs = tuple(RequestSlack(r.arrival, r.first_token_at, len(r.out_ids), r.slo.ttft_s, r.slo.tpot_s,
+                                  r.prefill_left) for r in self._running + waiting)
+        return ServingLoad(now, len(self._running), len(waiting), sum(r.prefill_left for r in self._running),
+                           step_s, reqs, self.cfg.engine.step_token_budget, self.cfg.slo.safety)
 
-    def _maybe_background(self) -> bool:
-        """Run one micro-batch of the current job if it fits in the slack. True if one ran."""
+    def _run_background(self) -> bool:
+        """Run the next unit of the current job if the rule admits it (the naive policy: a whole
+        micro-batch). True if anything ran."""
         with self._lock:
             if self._job is None and self._jobs:
                 self._job = self._jobs.popleft()
                 self._job.start()
+                self._pass_s = 0.0
         job = self._job
         if job is None:
             return False
@@ -515,129 +435,44 @@ class Engine:
         if job.done() or job.past_deadline(now) or self._ending_jobs:
             self._end_job(job, deadline_hit=not job.done())
             return False
-        if self.cfg.training.co_schedule == "naive":  # baseline: no SLO control, no preemption
-            option, should_stop = job.options()[0], (lambda: False)
-        else:
-            slack = self._slack(now)
-            options = [(o, self.costs.microbatch_time(job.kind, o.tokens)) for o in job.options()]
-            option = pick_microbatch(options, slack, self._arrival_gap(now))
-            if option is None:
+        try:
+            unit = job.next_unit()
+            verdict = self.policy.verdict(self._serving_load(now),
+                                          self.costs.unit_time(job.kind, unit.kind, unit.tokens))
+            if not verdict.run:
                 job.report.deferrals += 1
                 self.telemetry.record_deferral()
                 return False
-            stop_at = now + min(slack, 1e9)
-            if job.deadline_s is not None:
-                stop_at = min(stop_at, job.started_at + job.deadline_s)
-
-            def should_stop() -> bool:
-                return bool(self._incoming) or self._stop or self._ending_jobs or time.perf_counter() > stop_at
-
-        t0 = time.perf_counter()
-        try:
-            with preemptible(self.runner.layers, should_stop):
-                job.run(option)
-        except Preempted:
-            dt = time.perf_counter() - t0
-            job.report.extra["preempted"] = job.report.extra.get("preempted", 0) + 1
-            job.report.extra["preempted_s"] = job.report.extra.get("preempted_s", 0.0) + dt
-            self.telemetry.record_preemption(dt)
-            return True
+            while True:
+                unit = job.next_unit()
+                t0 = time.perf_counter()
+                completed_tokens = job.run_unit()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                self.costs.observe_unit(job.kind, unit.kind, unit.tokens, dt)
+                self.telemetry.record_background(job.kind, dt, completed_tokens)
+                if verdict.reason == "busy-share":
+                    self.policy.spent(dt)
+                job.report.compute_seconds += dt
+                self._pass_s += dt
+                if completed_tokens:  # a micro-batch completed: what a whole one costs, for the load report
+                    (self.costs.train if job.kind == "train" else self.costs.eval).observe([completed_tokens],
+                                                                                         self._pass_s)
+                    self._pass_s = 0.0
+                if job.done():
+                    self._end_job(job)
+                    return True
+                if not self.policy.whole_passes or job.at_pass_boundary():
+                    return True
         except Exception as e:  # noqa: BLE001 - a failed job must not take serving down
             log.exception("%s job failed", job.kind)
             job.fail(e)
             self._job = None
             return False
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        (self.costs.train if job.kind == "train" else self.costs.eval).observe([option.tokens], dt)
-        self.telemetry.record_background(job.kind, dt, option.tokens)
-        job.report.compute_seconds += dt
-        if job.done():
-            self._end_job(job)
-        return True
-
-    def _arrival_gap(self, now: float) -> float:
-        """Expected seconds to the next arrival, from the last 30 s of arrivals."""
-        while self._arrivals and self._arrivals[0] < now - 30.0:
-            self._arrivals.popleft()
-        if not self._arrivals:
-            return float("inf")
-        return 30.0 / len(self._arrivals)
 
     def _end_job(self, job: BackgroundJob, deadline_hit: bool = False) -> JobReport:
         self._job = None
         report = job.finish(deadline_hit)
         log.info("%s job done: %s", job.kind, {k: v for k, v in report.as_dict().items() if k != "extra"})
         return report
-
-    # ================================================================= warmup
-    def warmup(self) -> None:
-        """Measure step and micro-batch costs once before serving, so the first decisions are informed.
-
-        Each shape runs three times and the fastest counts: a hiccup from another process must not
-        become this replica's idea of its own speed.
-        """
-        t0 = time.perf_counter()
-        w = self.shadow.pin()
-        slots = [self.pool.allocate() for _ in range(min(4, self.pool.slots))]
-
-        def fastest(fn, reps: int = 3) -> float:
-            fn()  # allocations, first-call paths
-            times = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-            return min(times)
-
-        try:
-            g = torch.Generator().manual_seed(0)
-            vocab = self.runner.vocab_size
-            for n in (16, min(64, self.max_context // 2)):
-                ids = torch.randint(3, vocab, (n,), generator=g).tolist()
-                seconds = fastest(lambda: self.runner.forward([Segment(slots[0], 0, ids, w, True)], self.pool))
-                self.costs.step.observe(step_features(0, n, n), seconds)
-            for b in range(1, len(slots) + 1):
-                segs = [Segment(s, 8, [5], w, True) for s in slots[:b]]
-                seconds = fastest(lambda: self.runner.forward(segs, self.pool))
-                self.costs.step.observe(step_features(b, 0, 9 * b), seconds)
-            if self.trainer is not None:
-                self._measure_train_microbatch()
-            if self.holdout:
-                job = EvalJob(self.lm.model, w, self.holdout[:1], 1, self.tokenizer.pad_token_id, self.device)
-
-                def one_eval():
-                    job.pos = 0
-                    job.run(Option(1, None, 0))
-
-                seconds = fastest(one_eval, reps=2)
-                self.costs.eval.observe([len(self.holdout[0].input_ids)], seconds)
-        finally:
-            for s in slots:
-                self.pool.release(s)
-            self.shadow.release(w)
-        for model in (self.costs.step, self.costs.train, self.costs.eval):
-            model.adopt_fit_as_prior()
-        log.info("warmup done in %.1f s: decode step (1 seq) %.1f ms, train micro-batch %.2f s",
-                 time.perf_counter() - t0, 1000 * self.costs.step_time(1, 0, 64),
-                 self.costs.microbatch_time("train", self.cfg.training.max_seq_len))
-
-    def _measure_train_microbatch(self) -> None:
-        """Time forward+backward of one training sequence without changing the adapter."""
-        from collm.edge_client.model.lora import TrainingBinding, bind
-        from collm.edge_client.training.trainer import collate, token_loss
-
-        t = self.trainer
-        ex = t.stream.peek(1)
-        ids, mask, labels = collate(ex, t.pad_id, self.device)
-        best = float("inf")
-        for rep in range(3):
-            start = time.perf_counter()
-            with bind(TrainingBinding(t.adapter, t.dropout)):
-                loss, _, _ = token_loss(t.model, ids, mask, labels)
-            loss.backward()
-            if rep:
-                best = min(best, time.perf_counter() - start)
-        self.costs.train.observe([int(mask.sum())], best)
-        t.optimizer.zero_grad(set_to_none=True)

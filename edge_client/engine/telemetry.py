@@ -1,7 +1,10 @@
 """What a replica reports: per-request latencies and SLO outcome, per-replica load and training.
 
-The engine thread records; any thread may take a `snapshot()` (the API, the Flower load report,
-the router). Rates and fractions are over a sliding window (default 60 s).
+One state, one vocabulary: `EdgeSnapshot` is everything a replica says about itself. The engine
+builds it (`Engine.snapshot()`); the Prometheus gauges (`serve.metrics`), the federated load
+report (`federation.client`) and, through the gauges, the router's view of the edge all derive
+from it. The engine thread records; any thread may take a snapshot. Rates and fractions are over
+a sliding window (default 60 s).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from collm.common.slo import meets_slo
 from collm.common.stats import percentile
@@ -44,6 +47,67 @@ class RequestRecord:
         return {**asdict(self), "slo_met": self.slo_met}
 
 
+@dataclass(frozen=True)
+class WindowStats:
+    """Requests, steps and background work over the telemetry window."""
+
+    window_s: float
+    request_rate: float  # finished requests per second
+    completed_rate: float
+    goodput: float  # completed requests per second that met every SLO
+    slo_attainment: float | None  # None: nothing completed in the window
+    ttft_p50: float | None
+    ttft_p99: float | None
+    tpot_p50: float | None
+    tpot_p99: float | None
+    step_p50_s: float | None
+    step_p99_s: float | None
+    batch_mean: float
+    serving_busy_frac: float
+    training_busy_frac: float
+    eval_busy_frac: float
+    spare_capacity: float  # 1 - serving busy fraction
+    train_tokens_per_s: float
+    totals: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EdgeSnapshot:
+    """Everything one replica reports about itself (see the module docstring)."""
+
+    window: WindowStats
+    # load now
+    running: int
+    waiting: int
+    jobs: int  # background jobs queued or running
+    pending_decode_tokens: int
+    pending_prefill_tokens: int
+    running_kv_tokens: int
+    # adapters
+    adapter_version: int
+    adapter_versions_alive: list[int]
+    swaps: int
+    # limits and targets
+    max_context: int
+    max_running: int
+    step_token_budget: int
+    ttft_target_s: float
+    tpot_target_s: float
+    slo_safety: float
+    # training
+    train_examples: int
+    train_steps_total: int
+    last_train_loss: float | None
+    idle_train_tokens_per_s: float  # what one micro-batch pass costs when nothing else runs
+    # cost model
+    step_coef: tuple[float, float, float, float]
+    predicted_decode_step_s: float
+    failure: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 class Telemetry:
     def __init__(self, window_s: float = 60.0):
         self.window_s = window_s
@@ -55,7 +119,7 @@ class Telemetry:
         self.listeners: list[Callable[[RequestRecord], None]] = []
         self.totals = {"requests": 0, "completed": 0, "slo_met": 0, "cancelled": 0, "output_tokens": 0,
                        "steps": 0, "train_tokens": 0, "eval_tokens": 0, "train_microbatches": 0,
-                       "deferrals": 0, "preemptions": 0, "preempted_s": 0.0}
+                       "background_units": 0, "deferrals": 0}
 
     def _trim(self, now: float) -> None:
         for dq in (self._requests, self._steps, self._background):
@@ -83,24 +147,21 @@ class Telemetry:
             self._trim(now)
 
     def record_background(self, kind: str, seconds: float, tokens: int) -> None:
+        """One unit of a background job took `seconds`; `tokens` > 0 when it completed a micro-batch of them."""
         now = time.perf_counter()
         with self._lock:
             self._background.append((now, kind, seconds, tokens))
+            self.totals["background_units"] += 1
             self.totals[f"{kind}_tokens"] += tokens
-            if kind == "train":
+            if kind == "train" and tokens:
                 self.totals["train_microbatches"] += 1
             self._trim(now)
-
-    def record_preemption(self, seconds: float) -> None:
-        with self._lock:
-            self.totals["preemptions"] += 1
-            self.totals["preempted_s"] += seconds
 
     def record_deferral(self) -> None:
         with self._lock:
             self.totals["deferrals"] += 1
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> WindowStats:
         now = time.perf_counter()
         with self._lock:
             self._trim(now)
@@ -114,23 +175,22 @@ class Telemetry:
         train_busy = sum(s for _, k, s, _ in bg if k == "train")
         eval_busy = sum(s for _, k, s, _ in bg if k == "eval")
         step_times = [s for _, s, _ in steps]
-        return {
-            "window_s": round(span, 3),
-            "request_rate": len(recs) / span,
-            "completed_rate": len(done) / span,
-            "goodput": sum(r.slo_met for r in done) / span,
-            "slo_attainment": (sum(r.slo_met for r in done) / len(done)) if done else None,
-            "ttft_p50": percentile([r.ttft_s for r in done if r.ttft_s is not None], 0.5),
-            "ttft_p99": percentile([r.ttft_s for r in done if r.ttft_s is not None], 0.99),
-            "tpot_p50": percentile([r.tpot_s for r in done if r.tpot_s], 0.5),
-            "tpot_p99": percentile([r.tpot_s for r in done if r.tpot_s], 0.99),
-            "step_p50_s": percentile(step_times, 0.5),
-            "step_p99_s": percentile(step_times, 0.99),
-            "batch_mean": (sum(b for _, _, b in steps) / len(steps)) if steps else 0.0,
-            "serving_busy_frac": min(serve_busy / span, 1.0),
-            "training_busy_frac": min(train_busy / span, 1.0),
-            "eval_busy_frac": min(eval_busy / span, 1.0),
-            "spare_capacity": max(0.0, 1.0 - serve_busy / span),
-            "train_tokens_per_s": sum(t for _, k, _, t in bg if k == "train") / span,
-            "totals": totals,
-        }
+        ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+        tpots = [r.tpot_s for r in done if r.tpot_s]
+        return WindowStats(
+            window_s=round(span, 3),
+            request_rate=len(recs) / span,
+            completed_rate=len(done) / span,
+            goodput=sum(r.slo_met for r in done) / span,
+            slo_attainment=(sum(r.slo_met for r in done) / len(done)) if done else None,
+            ttft_p50=percentile(ttfts, 0.5), ttft_p99=percentile(ttfts, 0.99),
+            tpot_p50=percentile(tpots, 0.5), tpot_p99=percentile(tpots, 0.99),
+            step_p50_s=percentile(step_times, 0.5), step_p99_s=percentile(step_times, 0.99),
+            batch_mean=(sum(b for _, _, b in steps) / len(steps)) if steps else 0.0,
+            serving_busy_frac=min(serve_busy / span, 1.0),
+            training_busy_frac=min(train_busy / span, 1.0),
+            eval_busy_frac=min(eval_busy / span, 1.0),
+            spare_capacity=max(0.0, 1.0 - serve_busy / span),
+            train_tokens_per_s=sum(t for _, k, _, t in bg if k == "train") / span,
+            totals=totals,
+        )

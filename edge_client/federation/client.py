@@ -1,12 +1,15 @@
 """The edge's side of a federated round, as a Flower ClientApp running on the resident engine.
 
-* query:    the load report the balancer decides from;
-* train:    load the global adapter into the training adapter, train the assigned budget through
-            the engine's co-scheduler (serving never waits for it), return the local adapter;
+* query:    the load report the balancer decides from (`LoadReport`, from the engine's snapshot);
+* train:    serve the global adapter it carries if this edge does not yet, load it into the training
+            adapter, train the assigned budget through the engine's co-execution rule (serving never
+            waits for it), return the local adapter;
 * evaluate: serve the new global adapter (shadow swap, no restart) and report its holdout loss.
 
-`FederatedEdge(runtime).client_app()` is what `SuperNodeExecutor` runs in-process. The module's
-`app` exists so the Flower app bundle names a ClientApp; it runs on whichever edge `bind` chose.
+Both handlers swap through `adopt_global`, the one place a global adapter becomes the served one.
+`EdgeFederation(runtime)` is the service `collm-edge` attaches to its runtime: the handlers plus a
+`SuperNodeExecutor` that runs them in-process. The module's `app` exists so the Flower app bundle
+names a ClientApp; it runs on whichever edge `bind` chose.
 """
 
 from __future__ import annotations
@@ -15,27 +18,19 @@ import logging
 import math
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from collm.common import protocol as P
+from collm.edge_client.federation.records import to_arrays, to_state
+from collm.edge_client.training.jobs import TrainBudget
 
-from collm.edge_client.runtime import EdgeRuntime
-from collm.edge_client.training.trainer import TrainBudget
+if TYPE_CHECKING:
+    from collm.edge_client.runtime import EdgeRuntime
 
 log = logging.getLogger("collm.federation")
-
-
-def to_state(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(np.array(arrays[k].numpy(), dtype=np.float32)) for k in arrays.keys()}
-
-
-def to_arrays(state: dict[str, torch.Tensor]) -> ArrayRecord:
-    """float32 on the wire (bf16 cannot go into an ArrayRecord)."""
-    return ArrayRecord({k: Array(v.detach().to("cpu", torch.float32).numpy()) for k, v in state.items()})
 
 
 def _num(v) -> float:
@@ -69,21 +64,27 @@ class FederatedEdge:
         return Message(RecordDict({P.REPORT: report, P.IDENTITY: self._identity()}), reply_to=msg)
 
     def report(self) -> dict[str, float]:
-        eng = self.rt.engine
-        snap = eng.snapshot()
-        ref_tokens = max(1, eng.cfg.training.micro_batch_size * eng.cfg.training.max_seq_len // 2)
-        return {
-            "request-rate": float(snap["request_rate"]),
-            "slo-attainment": _num(snap["slo_attainment"]),
-            "spare-capacity": float(snap["spare_capacity"]),
-            "queue-depth": float(snap["waiting"]),
-            "running": float(snap["running"]),
-            "train-examples": float(len(eng.trainer.stream.examples) if eng.trainer else 0),
-            "gain-per-ktok": _num(self.gain_per_ktok()),
-            "train-tokens-per-s": ref_tokens / max(eng.costs.microbatch_time("train", ref_tokens), 1e-6),
-            "goodput": float(snap["goodput"]),
-            "adapter-version": float(snap["adapter_version"]),
-        }
+        return self.load_report().to_record()
+
+    def load_report(self) -> P.LoadReport:
+        snap = self.rt.engine.snapshot()
+        w = snap.window
+        return P.LoadReport(
+            name=self.rt.cfg.name, request_rate=w.request_rate, slo_attainment=w.slo_attainment,
+            spare_capacity=w.spare_capacity, queue_depth=snap.waiting, running=snap.running,
+            train_examples=snap.train_examples, gain_per_ktok=self.gain_per_ktok(),
+            train_tokens_per_s=snap.idle_train_tokens_per_s, goodput=w.goodput,
+            adapter_version=snap.adapter_version)
+
+    def adopt_global(self, arrays: ArrayRecord, version: int) -> dict | None:
+        """Serve the global adapter of round `version` unless this edge already serves it (or newer);
+        returns its state (None for an empty record: round 1 starts from the seeded initial adapter)."""
+        if not len(arrays):
+            return None
+        state = to_state(arrays)
+        if version > 0:
+            self.rt.publish(state, version, round=version)  # the shadow swap: new requests get it
+        return state
 
     def gain_per_ktok(self) -> float | None:
         """Holdout-loss drop per 1k tokens this edge trained, over its last evaluated round."""
@@ -101,10 +102,10 @@ class FederatedEdge:
         eng = self.rt.engine
         cfg = msg.content[P.CONFIG]
         rnd = int(cfg.get(P.SERVER_ROUND, 0))
-        arrays = msg.content[P.ARRAYS]
-        state = to_state(arrays) if len(arrays) else eng.initial_state
-        if len(arrays) and rnd > 1:  # the global of round rnd-1; serve it if this edge missed its evaluate
-            self.rt.publish(state, rnd - 1, round=rnd - 1)
+        # the global after round rnd-1: served from now on if this edge missed that round's evaluate
+        state = self.adopt_global(msg.content[P.ARRAYS], rnd - 1)
+        if state is None:
+            state = eng.initial_state
         tokens = int(cfg.get(P.BUDGET_TOKENS, 0)) or eng.cfg.training.default_round_tokens
         budget = TrainBudget(tokens=tokens, deadline_s=float(cfg.get(P.DEADLINE_S, 0)) or None)
         t0 = time.time()
@@ -135,9 +136,7 @@ class FederatedEdge:
     def evaluate(self, msg: Message, context: Context) -> Message:
         eng = self.rt.engine
         rnd = int(msg.content[P.CONFIG].get(P.SERVER_ROUND, 0))
-        arrays = msg.content[P.ARRAYS]
-        if len(arrays):
-            self.rt.publish(to_state(arrays), rnd, round=rnd)  # the shadow swap: new requests get round rnd
+        self.adopt_global(msg.content[P.ARRAYS], rnd)
         report = eng.evaluate(version=eng.shadow.current_version).result()
         if report.loss is None:  # the engine stopped before evaluating anything
             raise RuntimeError(f"edge {self.rt.cfg.name}: evaluation did not run")
@@ -156,6 +155,38 @@ class FederatedEdge:
         with self.lock:
             return {"rounds_trained": self.rounds_trained, "last_round": self.last_round,
                     "last_train": self.last_train, "last_eval": self.last_eval}
+
+
+class EdgeFederation:
+    """The service `collm-edge` attaches to its runtime when federation is enabled: the handlers
+    above, run in-process by a `SuperNodeExecutor` that keeps a child flower-supernode connected."""
+
+    def __init__(self, runtime: EdgeRuntime):
+        self.rt = runtime
+        self.edge = FederatedEdge(runtime)
+        self.executor = None
+
+    def start(self) -> None:
+        from collm.edge_client.federation.executor import SuperNodeExecutor
+
+        cfg = self.rt.cfg
+        f = cfg.federation
+        self.executor = SuperNodeExecutor(
+            self.edge.client_app(), superlink=f.superlink, runtime_port=f.runtime_port,
+            node_config={"name": cfg.name, **f.node_config}, insecure=f.insecure,
+            root_certificates=f.root_certificates, auth_private_key=f.auth_private_key, name=cfg.name)
+        self.executor.start()
+        log.info("edge %s: taking part in federated rounds via SuperLink %s", cfg.name, f.superlink)
+
+    def stop(self) -> None:
+        if self.executor is not None:
+            self.executor.stop()
+
+    def status(self) -> dict:
+        ex = self.executor
+        return {**self.edge.status(), "superlink": self.rt.cfg.federation.superlink,
+                "executor_running": bool(ex and ex.running), "tasks_done": ex.tasks_done if ex else 0,
+                "last_error": ex.last_error if ex else None}
 
 
 # The ClientApp named in the app bundle (pyproject [tool.flwr.app.components]).

@@ -1,9 +1,10 @@
 """The shadow adapter: the one owner of serving adapter versions (publish, pin, release).
 
-`publish` builds the new version's tensors off the serving path (in the caller's thread), then
-flips one reference under a lock held for nanoseconds. A request pins the version that is
-current when it is admitted and keeps it for every token, because its KV cache was computed with
-that adapter; a superseded version is freed when its last pinned request releases it.
+`publish` checks that the version is newer (the one place that rule lives), builds the new
+version's tensors off the serving path (in the caller's thread), lets the caller persist it, then
+flips one reference under a lock held for nanoseconds. A request pins the version that is current
+when it is admitted and keeps it for every token, because its KV cache was computed with that
+adapter; a superseded version is freed when its last pinned request releases it.
 """
 
 from __future__ import annotations
@@ -11,11 +12,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from collm.edge_client.model.lora import AdapterWeights, LoRALayers
+
+
+class StaleVersion(ValueError):
+    """A version that is not newer than the one being served."""
 
 
 @dataclass
@@ -35,7 +41,8 @@ class ShadowAdapter:
         self._layers = layers
         self._device = device
         self._dtype = dtype
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the flip and the pins (held for nanoseconds)
+        self._publishing = threading.Lock()  # one publisher at a time (held while copying)
         self._current: AdapterWeights | None = None
         self._pins: dict[int, int] = {}  # version -> pinned requests
         self._alive: dict[int, AdapterWeights] = {}  # current + superseded versions still pinned
@@ -45,14 +52,28 @@ class ShadowAdapter:
 
     # -------------------------------------------------------------- publishing (any thread)
     def publish(self, state: dict[str, torch.Tensor], version: int, *, round: int | None = None,
-                eval_loss: float | None = None, source: str = "federated") -> AdapterWeights:
-        """Make `state` (PEFT keys) the version new requests are served with."""
-        t0 = time.perf_counter()
-        weights = self._layers.serving_weights(state, version, self._device, self._dtype)  # the copy
-        info = VersionInfo(version, round, time.time(), eval_loss, source)
-        with self._lock:  # the flip
-            if self._current is not None and version <= self._current.version:
-                raise ValueError(f"adapter version {version} is not newer than {self._current.version}")
+                eval_loss: float | None = None, source: str = "federated",
+                persist: Callable[[dict, VersionInfo], None] | None = None) -> AdapterWeights:
+        """Make `state` (PEFT keys) the version new requests are served with.
+
+        Raises StaleVersion if `version` is not newer than the current one. `persist(state, info)`,
+        if given, runs after the copy and before the flip: a version is served only once it is saved.
+        """
+        with self._publishing:
+            if version <= self.current_version:
+                raise StaleVersion(f"adapter version {version} is not newer than {self.current_version}")
+            t0 = time.perf_counter()
+            weights = self._layers.serving_weights(state, version, self._device, self._dtype)  # the copy
+            info = VersionInfo(version, round, time.time(), eval_loss, source)
+            if persist is not None:
+                persist(state, info)
+            self._flip(weights, info)
+            self.last_publish_s = time.perf_counter() - t0
+        return weights
+
+    def _flip(self, weights: AdapterWeights, info: VersionInfo) -> None:
+        version = weights.version
+        with self._lock:
             old = self._current
             self._current = weights
             self._alive[version] = weights
@@ -61,8 +82,6 @@ class ShadowAdapter:
                 if self._pins.get(old.version, 0) == 0:
                     self._alive.pop(old.version, None)
             self.history.append(info)
-        self.last_publish_s = time.perf_counter() - t0
-        return weights
 
     def set_eval_loss(self, version: int, loss: float) -> None:
         for info in self.history:

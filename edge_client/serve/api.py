@@ -21,15 +21,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from collm.common.adapter_io import check_compatible, load_adapter
 from collm.common.errors import UserError
-from collm.common.protocol import EDGE_HEADER, VERSION_HEADER
+from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
 
 from collm.edge_client.engine import (AdmittedEvent, EngineError, EngineFailed, FinishEvent, PromptTooLong,
                                      QueueFull, ShuttingDown, TokenEvent)
 from collm.edge_client.serve.metrics import EdgeMetrics
-from collm.edge_client.serve.openai_schema import AdminEvaluate, AdminPublish, AdminTrain, ChatRequest, CompletionRequest, _Common, error_body
+from collm.edge_client.serve.openai_schema import (AdminEvaluate, AdminPublish, AdminTrain, ChatRequest,
+                                                  CompletionRequest, _Common)
 from collm.edge_client.runtime import EdgeRuntime
 from collm.edge_client.model.sampling import SamplingParams
-from collm.edge_client.training.trainer import TrainBudget
+from collm.edge_client.training.jobs import TrainBudget
 
 
 
@@ -218,11 +219,9 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
                                 seed=body.seed, stop=body.stops, ignore_eos=body.ignore_eos)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        slo = body.slo
+        slo = eng.slo.override(body.slo.ttft_ms, body.slo.tpot_ms) if body.slo else eng.slo
         try:
-            req = eng.submit(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                             ttft_slo_s=slo.ttft_ms / 1000 if slo and slo.ttft_ms else None,
-                             tpot_slo_s=slo.tpot_ms / 1000 if slo and slo.tpot_ms else None)
+            req = eng.submit(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), slo=slo)
         except QueueFull as e:
             retry = _retry_after(eng)
             raise ApiError(429, f"{e}; retry after {retry} s", "rate_limit_error", code="queue_full",
@@ -337,5 +336,5 @@ def _timings(ev: FinishEvent) -> dict:
 def _retry_after(eng) -> int:
     """Seconds until a queue slot is likely free: queued work over the replica's request rate."""
     snap = eng.snapshot()
-    rate = max(snap["completed_rate"], 1e-3)
-    return int(min(60, max(1, math.ceil(snap["waiting"] / rate / 4))))
+    rate = max(snap.window.completed_rate, 1e-3)
+    return int(min(60, max(1, math.ceil(snap.waiting / rate / 4))))

@@ -1,6 +1,7 @@
-"""Prometheus metrics of one edge: per-request histograms, and load gauges read at scrape time.
+"""Prometheus metrics of one edge: per-request histograms, and gauges from the engine's snapshot.
 
-Names are shared with the router (which scrapes them to route) through `collm.common.metric_names`.
+Every gauge is a field of `EdgeSnapshot`, read at scrape time. Names are shared with the router
+(which scrapes them to route) through `collm.common.metric_names`.
 """
 
 from __future__ import annotations
@@ -56,43 +57,40 @@ class _SnapshotCollector:
 
     def collect(self):
         s = self.engine.snapshot()
-        cfg = self.engine.cfg
+        w = s.window
         gauges = {
-            M.SLO_ATTAINMENT: ("SLO attainment of completed requests over the window", s["slo_attainment"]),
-            M.GOODPUT: ("Completed requests per second that met every SLO (window)", s["goodput"]),
-            M.REQUEST_RATE: ("Finished requests per second (window)", s["request_rate"]),
-            M.QUEUE_DEPTH: ("Requests waiting for admission", s["waiting"]),
-            M.RUNNING: ("Requests being served", s["running"]),
-            M.MAX_RUNNING: ("Most requests served at once", s["max_running"]),
-            M.BATCH_SIZE: ("Mean requests per engine step (window)", s["batch_mean"]),
-            M.SPARE_CAPACITY: ("Fraction of time not spent serving (window)", s["spare_capacity"]),
-            M.TRAINING_BUSY: ("Fraction of time spent training (window)", s["training_busy_frac"]),
-            M.TRAIN_TOKENS_PER_S: ("Training tokens per second (window)", s["train_tokens_per_s"]),
-            M.TRAINING_ACTIVE: ("1 while a training job is queued or running", float(s["jobs"] > 0)),
-            M.ADAPTER_VERSION: ("Serving adapter version", s["adapter_version"]),
-            M.STEP_P50: ("Median engine step time (s, window)", s["step_p50_s"]),
-            M.DECODE_STEP_PRED: ("Predicted decode step time for the running batch (s)", s["predicted_decode_step_s"]),
-            M.SLO_TTFT: ("Default TTFT target (s)", cfg.slo.ttft_ms / 1000),
-            M.SLO_TPOT: ("Default TPOT target (s)", cfg.slo.tpot_ms / 1000),
-            M.MAX_CONTEXT: ("Longest prompt + output this edge accepts (tokens)", s["max_context"]),
-            M.PENDING_DECODE: ("Output tokens still to generate for running and waiting requests",
-                               s["pending_decode_tokens"]),
-            M.PENDING_PREFILL: ("Prompt tokens not yet prefilled (running and waiting)", s["pending_prefill_tokens"]),
-            M.STEP_TOKEN_BUDGET: ("Tokens per engine step (prefill chunking)", cfg.engine.step_token_budget),
-            M.SLO_SAFETY: ("Fraction of each SLO the co-scheduler plans to use", cfg.slo.safety),
+            M.SLO_ATTAINMENT: ("SLO attainment of completed requests over the window", w.slo_attainment),
+            M.GOODPUT: ("Completed requests per second that met every SLO (window)", w.goodput),
+            M.REQUEST_RATE: ("Finished requests per second (window)", w.request_rate),
+            M.QUEUE_DEPTH: ("Requests waiting for admission", s.waiting),
+            M.RUNNING: ("Requests being served", s.running),
+            M.MAX_RUNNING: ("Most requests served at once", s.max_running),
+            M.BATCH_SIZE: ("Mean requests per engine step (window)", w.batch_mean),
+            M.SPARE_CAPACITY: ("Fraction of time not spent serving (window)", w.spare_capacity),
+            M.TRAINING_BUSY: ("Fraction of time spent training (window)", w.training_busy_frac),
+            M.TRAIN_TOKENS_PER_S: ("Training tokens per second (window)", w.train_tokens_per_s),
+            M.TRAINING_ACTIVE: ("1 while a training job is queued or running", float(s.jobs > 0)),
+            M.ADAPTER_VERSION: ("Serving adapter version", s.adapter_version),
+            M.STEP_P50: ("Median engine step time (s, window)", w.step_p50_s),
+            M.DECODE_STEP_PRED: ("Predicted decode step time for the running batch (s)", s.predicted_decode_step_s),
+            M.SLO_TTFT: ("Default TTFT target (s)", s.ttft_target_s),
+            M.SLO_TPOT: ("Default TPOT target (s)", s.tpot_target_s),
+            M.MAX_CONTEXT: ("Longest prompt + output this edge accepts (tokens)", s.max_context),
+            M.STEP_TOKEN_BUDGET: ("Tokens per engine step (prefill chunking)", s.step_token_budget),
+            M.SLO_SAFETY: ("Fraction of each SLO the co-scheduler plans to use", s.slo_safety),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float("nan") if value is None else float(value))
             yield g
         coef = GaugeMetricFamily(M.STEP_COST, "Online step cost model: seconds per unit", labels=["term"])
-        for term, v in zip(("base", "per_decode_seq", "per_prefill_token", "per_1k_kv_tokens"), s["costs"]["step_coef"]):
+        for term, v in zip(M.STEP_COST_TERMS, s.step_coef):
             coef.add_metric([term], v)
         yield coef
-        totals = s["totals"]
-        for name, doc, key in ((M.TRAIN_TOKENS, "Training tokens processed", "train_tokens"),
-                               (M.SWAPS, "Adapter swaps", None),
-                               (M.PREEMPTIONS, "Background micro-batches preempted by serving", "preemptions")):
+        for name, doc, value in ((M.TRAIN_TOKENS, "Training tokens processed", w.totals["train_tokens"]),
+                                 (M.SWAPS, "Adapter swaps", s.swaps),
+                                 (M.DEFERRALS, "Background units held back because serving needed the replica",
+                                  w.totals["deferrals"])):
             c = CounterMetricFamily(name.removesuffix("_total"), doc)
-            c.add_metric([], float(s["swaps"] if key is None else totals[key]))
+            c.add_metric([], float(value))
             yield c

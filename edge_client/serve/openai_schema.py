@@ -16,8 +16,8 @@ from collm.edge_client.model.sampling import SEED_MAX, SEED_MIN
 
 class SLOOverride(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    ttft_ms: float | None = Field(None, gt=0)
-    tpot_ms: float | None = Field(None, gt=0)
+    ttft_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
+    tpot_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -141,8 +141,3 @@ class AdminPublish(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str
     version: int | None = Field(None, ge=1)
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

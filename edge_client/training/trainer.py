@@ -1,27 +1,24 @@
-"""Local LoRA training and evaluation, one micro-batch at a time, on the serving model's base.
+"""Local LoRA training on the serving model's base, one unit of one micro-batch at a time.
 
-The engine decides *when* a micro-batch runs (inside the SLO slack, see `co_scheduler`); this
-module decides *what* it computes. Gradient accumulation counts sequences, not micro-batches, so
-the engine may pick smaller micro-batches when slack is short without changing the optimizer's
-effective batch (`micro_batch_size * grad_accum_steps` sequences per step, loss averaged per token).
-FedProx adds `mu * (w - w_global)` to each gradient before the optimizer step.
+The engine decides *when* a unit runs (`engine.co_schedule`); this module decides *what* the
+training step computes, and it exists only here: a micro-batch is a `LayerwisePass` (forward and
+backward cut into layer units, exact gradients), its gradients are summed over
+`grad_accum_steps` micro-batches, divided by the answer tokens, clipped and applied by AdamW.
+FedProx adds `mu * (w - w_global)` to each gradient before the optimizer step. Warm-up times the
+same pass (`LocalTrainer.measure`), so there is no second copy of the step to drift apart.
 """
 
 from __future__ import annotations
 
-import math
 import random
-import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from collm.edge_client.config import TrainingConfig
 from collm.common.data import Example
-
-from collm.edge_client.model.lora import AdapterWeights, ServingBinding, TrainableAdapter, TrainingBinding, bind
+from collm.edge_client.config import TrainingConfig
+from collm.edge_client.model.lora import LoRALayers, TrainableAdapter, TrainingBinding
+from collm.edge_client.training.jobs import BackgroundJob, JobReport, TrainBudget
+from collm.edge_client.training.layerwise import LayerwisePass, ModelParts, Unit, layer_params_of, timed_units
 
 
 def collate(examples: list[Example], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -35,17 +32,6 @@ def collate(examples: list[Example], pad_id: int, device) -> tuple[torch.Tensor,
         mask[i, : len(e.input_ids)] = 1
         labels[i, : len(e.labels)] = torch.tensor(e.labels)
     return ids.to(device), mask.to(device), labels.to(device)
-
-
-def token_loss(model, ids, mask, labels) -> tuple[torch.Tensor, int, int]:
-    """(sum of next-token losses over answer tokens, answer tokens, correctly predicted tokens)."""
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    target = labels[:, 1:]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
-                           reduction="sum")
-    valid = target != -100
-    correct = int(((logits.argmax(-1) == target) & valid).sum())
-    return loss, int(valid.sum()), correct
 
 
 class ExampleStream:
@@ -71,113 +57,14 @@ class ExampleStream:
         return out
 
 
-@dataclass
-class TrainBudget:
-    steps: int | None = None  # optimizer steps
-    tokens: int | None = None  # input tokens processed
-    deadline_s: float | None = None  # seconds from the job's start
-
-    def __post_init__(self):
-        if self.steps is None and self.tokens is None:
-            raise ValueError("a training budget needs steps or tokens")
-
-
-@dataclass
-class JobReport:
-    kind: str
-    microbatches: int = 0
-    sequences: int = 0
-    tokens: int = 0
-    answer_tokens: int = 0
-    steps: int = 0
-    loss: float | None = None  # mean per-token loss over the job
-    first_loss: float | None = None
-    last_loss: float | None = None
-    accuracy: float | None = None
-    seconds: float = 0.0
-    compute_seconds: float = 0.0
-    deferrals: int = 0  # times the engine held the job back to keep an SLO
-    deadline_hit: bool = False
-    extra: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
-
-
-@dataclass(frozen=True)
-class Option:
-    """One way to run the next micro-batch: `k` sequences, each cut to `cap` tokens (None: whole)."""
-
-    k: int
-    cap: int | None
-    tokens: int
-
-
-class BackgroundJob:
-    """Work the engine runs in SLO slack, one micro-batch per `run(option)` call.
-
-    `run` may raise `Preempted` (see `preemption`); the job must then be unchanged, so the same
-    micro-batch can run again later.
-    """
-
-    kind = "job"
-
-    def __init__(self, deadline_s: float | None):
-        self.future: Future = Future()
-        self.report = JobReport(self.kind)
-        self.started_at: float | None = None
-        self.deadline_s = deadline_s
-
-    def start(self) -> None:
-        self.started_at = time.perf_counter()
-
-    def past_deadline(self, now: float) -> bool:
-        return self.deadline_s is not None and self.started_at is not None and now - self.started_at >= self.deadline_s
-
-    def options(self) -> list[Option]:
-        """Ways to run the next micro-batch, most preferred (largest) first."""
-        raise NotImplementedError
-
-    def run(self, option: Option) -> None:
-        raise NotImplementedError
-
-    def done(self) -> bool:
-        raise NotImplementedError
-
-    def finish(self, deadline_hit: bool = False) -> JobReport:
-        self.report.deadline_hit = deadline_hit
-        if self.started_at is not None:
-            self.report.seconds = time.perf_counter() - self.started_at
-        if not self.future.done():
-            self.future.set_result(self.report)
-        return self.report
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(exc)
-
-
-def _batch_options(examples: list[Example], max_k: int, truncate_to: tuple[int, ...] = ()) -> list[Option]:
-    out = []
-    for k in range(min(max_k, len(examples)), 0, -1):
-        out.append(Option(k, None, k * max(len(e.input_ids) for e in examples[:k])))
-    if examples:
-        full = len(examples[0].input_ids)
-        out += [Option(1, cap, cap) for cap in truncate_to if cap < full]
-    return out
-
-
-def _cut(examples: list[Example], cap: int | None) -> list[Example]:
-    return examples if cap is None else [Example(e.input_ids[:cap], e.labels[:cap]) for e in examples]
-
-
 class LocalTrainer:
     """The training adapter, its optimizer, and the edge's training examples."""
 
-    def __init__(self, model, adapter: TrainableAdapter, cfg: TrainingConfig, examples: list[Example],
-                 pad_id: int, dropout: float = 0.0, seed: int = 0):
-        self.model = model
+    def __init__(self, parts: ModelParts, layers: LoRALayers, adapter: TrainableAdapter, cfg: TrainingConfig,
+                 examples: list[Example], pad_id: int, dropout: float = 0.0, seed: int = 0):
+        self.parts = parts
         self.adapter = adapter
+        self.layer_params = layer_params_of(adapter, layers, len(self.parts.layers))
         self.cfg = cfg
         self.stream = ExampleStream(examples, seed)
         self.pad_id = pad_id
@@ -193,6 +80,16 @@ class LocalTrainer:
     @property
     def sequences_per_step(self) -> int:
         return self.cfg.micro_batch_size * self.cfg.grad_accum_steps
+
+    def new_pass(self, examples: list[Example]) -> LayerwisePass:
+        """The training step's forward and backward over `examples`, as units."""
+        ids, mask, labels = collate(examples, self.pad_id, self.adapter.a[0].device)
+        return LayerwisePass(self.parts, ids, mask, labels, TrainingBinding(self.adapter, self.dropout),
+                             self.layer_params)
+
+    def measure(self) -> list[tuple[Unit, float]]:
+        """Run one micro-batch pass and time each unit; the gradients are dropped, nothing changes."""
+        return timed_units(self.new_pass(self.stream.peek(self.cfg.micro_batch_size)))
 
     def job(self, budget: TrainBudget, global_state: dict | None = None, proximal_mu: float = 0.0,
             lr: float | None = None) -> TrainJob:
@@ -211,6 +108,8 @@ class TrainJob(BackgroundJob):
         self.mu = proximal_mu
         self.lr = lr
         self._anchor: list[torch.Tensor] | None = None
+        self._pass: LayerwisePass | None = None
+        self._grads: dict[int, torch.Tensor] = {}
         self._acc_seqs = 0
         self._acc_tokens = 0
         self._loss_sum = 0.0
@@ -229,38 +128,46 @@ class TrainJob(BackgroundJob):
             self._anchor = [p.detach().clone() for p in t.adapter.parameters()]
         t.optimizer.zero_grad(set_to_none=True)
 
-    def options(self) -> list[Option]:
-        L = self.t.cfg.max_seq_len
-        # Short on slack, one sequence cut shorter still teaches the start of its answer.
-        return _batch_options(self.t.stream.peek(self.t.cfg.micro_batch_size), self.t.cfg.micro_batch_size,
-                              tuple(c for c in (L // 2, L // 4) if c >= 32))
+    def _current(self) -> LayerwisePass:
+        if self._pass is None:
+            self._pass = self.t.new_pass(self.t.stream.peek(self.t.cfg.micro_batch_size))
+        return self._pass
 
-    def run(self, option: Option) -> None:
+    def next_unit(self) -> Unit:
+        return self._current().next_unit()
+
+    def at_pass_boundary(self) -> bool:
+        return self._pass is None
+
+    def run_unit(self) -> int:
+        p = self._current()
+        p.run_unit()
+        self.report.units += 1
+        if not p.done:
+            return 0
+        self._pass = None
+        self._absorb(p)
+        return p.tokens
+
+    def _absorb(self, p: LayerwisePass) -> None:
+        """A micro-batch completed: keep its gradients, count it, maybe take an optimizer step."""
         t, r = self.t, self.report
-        exs = _cut(t.stream.peek(option.k), option.cap)
-        ids, mask, labels = collate(exs, t.pad_id, t.adapter.a[0].device)
-        params = list(t.adapter.parameters())
-        with bind(TrainingBinding(t.adapter, t.dropout)):
-            loss_sum, n_ans, _ = token_loss(t.model, ids, mask, labels)
-            # autograd.grad, not backward(): a preempted pass must leave no partial gradients
-            grads = torch.autograd.grad(loss_sum, params, allow_unused=True) if n_ans else [None] * len(params)
-        for p, g in zip(params, grads):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
-        t.stream.take(option.k)  # consumed only now that the micro-batch completed
-        k = option.k
-        mb_loss = loss_sum.item() / max(n_ans, 1)
+        k = self.t.cfg.micro_batch_size
+        t.stream.take(k)  # consumed only now that the micro-batch completed
+        for key, g in p.grads.items():
+            self._grads[key] = g if key not in self._grads else self._grads[key] + g
+        mb_loss = p.loss_sum / max(p.answer_tokens, 1)
         r.first_loss = mb_loss if r.first_loss is None else r.first_loss
         r.last_loss = t.last_loss = mb_loss
-        self._loss_sum += loss_sum.item()
+        self._loss_sum += p.loss_sum
         r.microbatches += 1
         r.sequences += k
-        r.tokens += int(mask.sum())
-        r.answer_tokens += n_ans
+        r.tokens += p.tokens
+        r.answer_tokens += p.answer_tokens
         r.loss = self._loss_sum / max(r.answer_tokens, 1)
-        t.total_tokens += int(mask.sum())
+        t.total_tokens += p.tokens
         self._acc_seqs += k
-        self._acc_tokens += n_ans
+        self._acc_tokens += p.answer_tokens
         if self._acc_seqs >= t.sequences_per_step:
             self._optimizer_step()
 
@@ -268,12 +175,14 @@ class TrainJob(BackgroundJob):
         t = self.t
         if self._acc_tokens == 0:
             self._acc_seqs = 0
+            self._grads.clear()
             return
         params = list(t.adapter.parameters())
         for i, p in enumerate(params):
-            if p.grad is None:
+            g = self._grads.get(id(p))
+            if g is None:
                 continue
-            p.grad.div_(self._acc_tokens)
+            p.grad = g / self._acc_tokens
             if self._anchor is not None:
                 p.grad.add_(p.detach() - self._anchor[i], alpha=self.mu)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -281,6 +190,7 @@ class TrainJob(BackgroundJob):
         t.optimizer.zero_grad(set_to_none=True)
         t.total_steps += 1
         self.report.steps += 1
+        self._grads.clear()
         self._acc_seqs = self._acc_tokens = 0
 
     def done(self) -> bool:
@@ -288,56 +198,8 @@ class TrainJob(BackgroundJob):
         return (b.steps is not None and r.steps >= b.steps) or (b.tokens is not None and r.tokens >= b.tokens)
 
     def finish(self, deadline_hit: bool = False) -> JobReport:
-        if self._acc_seqs:  # use the gradients already computed
+        self._pass = None  # a micro-batch cut short by the deadline teaches nothing
+        if self._acc_seqs:  # use the gradients of the micro-batches that completed
             self._optimizer_step()
         self.report.extra["lr"] = self.t.optimizer.param_groups[0]["lr"]
         return super().finish(deadline_hit)
-
-
-class EvalJob(BackgroundJob):
-    """Held-out loss and token accuracy of one adapter version, forward passes only."""
-
-    kind = "eval"
-
-    def __init__(self, model, weights: AdapterWeights | None, examples: list[Example], batch_size: int,
-                 pad_id: int, device, deadline_s: float | None = None):
-        super().__init__(deadline_s)
-        self.model = model
-        self.weights = weights
-        self.examples = examples
-        self.batch_size = batch_size
-        self.pad_id = pad_id
-        self.device = device
-        self.pos = 0
-        self._loss_sum = 0.0
-        self._correct = 0
-        self.report.extra["version"] = None if weights is None else weights.version
-
-    def options(self) -> list[Option]:
-        return _batch_options(self.examples[self.pos: self.pos + self.batch_size], self.batch_size)
-
-    @torch.inference_mode()
-    def run(self, option: Option) -> None:
-        k = option.k
-        exs = self.examples[self.pos: self.pos + k]
-        ids, mask, labels = collate(exs, self.pad_id, self.device)
-        binding = None if self.weights is None else ServingBinding([(0, ids.numel(), self.weights)])
-        with bind(binding):
-            loss_sum, n_ans, correct = token_loss(self.model, ids, mask, labels)
-        self.pos += k
-        r = self.report
-        self._loss_sum += loss_sum.item()
-        self._correct += correct
-        r.microbatches += 1
-        r.sequences += k
-        r.tokens += int(mask.sum())
-        r.answer_tokens += n_ans
-        r.loss = self._loss_sum / max(r.answer_tokens, 1)
-        r.accuracy = self._correct / max(r.answer_tokens, 1)
-
-    def done(self) -> bool:
-        return self.pos >= len(self.examples)
-
-
-def perplexity(loss: float | None) -> float | None:
-    return None if loss is None else math.exp(min(loss, 50.0))

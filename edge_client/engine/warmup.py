@@ -1,0 +1,91 @@
+"""Measure this replica's costs before it serves, so the first decisions are informed.
+
+It times, on this machine and through the real code paths: prefill steps of two sizes, decode
+steps of batch 1..4, and every unit of one training and one evaluation micro-batch (the real
+`LayerwisePass`, its gradients dropped). Each shape runs several times and the fastest counts:
+replicas warming up side by side on shared cores (`collm-lab` starts three at once) must not
+become a replica's idea of its own speed. The fits then become the priors (`adopt_fit_as_prior`)
+and go on refitting online from what the loop measures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from collm.edge_client.engine.cost_model import step_features
+from collm.edge_client.model.runner import Segment
+from collm.edge_client.training.evaluation import EvalJob
+from collm.edge_client.training.layerwise import timed_units
+
+log = logging.getLogger("collm.engine")
+
+STEP_REPS = 3
+PASS_REPS = 2
+
+
+def fastest(fn, reps: int = STEP_REPS) -> float:
+    """The fastest of `reps` timed calls, after one untimed call (allocations, first-call paths)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def fastest_units(make_pass, reps: int = PASS_REPS) -> tuple[list[tuple[object, float]], int]:
+    """Each unit of a pass with the fastest time it took over `reps` runs of the same pass, and the
+    pass's input tokens."""
+    passes = [make_pass() for _ in range(reps)]
+    runs = [timed_units(p) for p in passes]
+    return [(runs[0][i][0], min(run[i][1] for run in runs)) for i in range(len(runs[0]))], passes[0].tokens
+
+
+def warm_up(engine) -> None:
+    t0 = time.perf_counter()
+    costs, runner, pool = engine.costs, engine.runner, engine.pool
+    w = engine.shadow.pin()
+    slots = [pool.allocate() for _ in range(min(4, pool.slots))]
+    try:
+        g = torch.Generator().manual_seed(0)
+        for n in (16, min(64, engine.max_context // 2)):
+            ids = torch.randint(3, runner.vocab_size, (n,), generator=g).tolist()
+            seconds = fastest(lambda: runner.forward([Segment(slots[0], 0, ids, w, True)], pool))
+            costs.step.observe(step_features(0, n, n), seconds)
+        for b in range(1, len(slots) + 1):
+            segs = [Segment(s, 8, [5], w, True) for s in slots[:b]]
+            seconds = fastest(lambda: runner.forward(segs, pool))
+            costs.step.observe(step_features(b, 0, 9 * b), seconds)
+        trainer = engine.trainer
+        if trainer is not None:
+            _observe_pass(costs, "train", fastest_units(lambda: trainer.new_pass(
+                trainer.stream.peek(trainer.cfg.micro_batch_size))))
+        if engine.holdout:
+            batch = engine.holdout[: engine.cfg.training.eval_batch_size]
+
+            def eval_pass():
+                job = EvalJob(engine.parts, w, batch, len(batch), engine.tokenizer.pad_token_id, engine.device)
+                return job._current()
+
+            _observe_pass(costs, "eval", fastest_units(eval_pass))
+    finally:
+        for s in slots:
+            pool.release(s)
+        engine.shadow.release(w)
+    for model in costs.all_models():
+        model.adopt_fit_as_prior()
+    log.info("warmup done in %.1f s: decode step (1 seq) %.1f ms, training micro-batch %.2f s, idle training "
+             "%.0f tokens/s", time.perf_counter() - t0, 1000 * costs.step_time(1, 0, 64),
+             costs.microbatch_time("train", engine.cfg.training.micro_batch_size * engine.cfg.training.max_seq_len
+                                   // 2), engine.idle_train_tokens_per_s() if engine.trainer else 0.0)
+
+
+def _observe_pass(costs, kind: str, measured: tuple[list, int]) -> None:
+    units, tokens = measured
+    for unit, seconds in units:
+        costs.observe_unit(kind, unit.kind, unit.tokens, seconds)
+    (costs.train if kind == "train" else costs.eval).observe([tokens], sum(s for _, s in units))

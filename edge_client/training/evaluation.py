@@ -1,0 +1,74 @@
+"""Held-out loss and token accuracy of one adapter version, forward units only (see `layerwise`)."""
+
+from __future__ import annotations
+
+from collm.common.data import Example
+from collm.edge_client.model.lora import AdapterWeights, ServingBinding
+from collm.edge_client.training.jobs import BackgroundJob
+from collm.edge_client.training.layerwise import LayerwisePass, ModelParts, Unit
+from collm.edge_client.training.trainer import collate
+
+
+class EvalJob(BackgroundJob):
+    """Mean per-token holdout loss of `weights` (None: the base model), `batch_size` examples per pass."""
+
+    kind = "eval"
+
+    def __init__(self, parts: ModelParts, weights: AdapterWeights | None, examples: list[Example], batch_size: int,
+                 pad_id: int, device, deadline_s: float | None = None):
+        super().__init__(deadline_s)
+        self.parts = parts
+        self.weights = weights
+        self.examples = examples
+        self.batch_size = batch_size
+        self.pad_id = pad_id
+        self.device = device
+        self.pos = 0
+        self._pass: LayerwisePass | None = None
+        self._loss_sum = 0.0
+        self._correct = 0
+        self.report.extra["version"] = None if weights is None else weights.version
+
+    def _current(self) -> LayerwisePass:
+        if self._pass is None:
+            exs = self.examples[self.pos: self.pos + self.batch_size]
+            ids, mask, labels = collate(exs, self.pad_id, self.device)
+            binding = None if self.weights is None else ServingBinding([(0, ids.numel(), self.weights)])
+            self._pass = LayerwisePass(self.parts, ids, mask, labels, binding)
+        return self._pass
+
+    def next_unit(self) -> Unit:
+        return self._current().next_unit()
+
+    def at_pass_boundary(self) -> bool:
+        return self._pass is None
+
+    def run_unit(self) -> int:
+        p = self._current()
+        p.run_unit()
+        self.report.units += 1
+        if not p.done:
+            return 0
+        self._pass = None
+        k = min(self.batch_size, len(self.examples) - self.pos)
+        self.pos += k
+        r = self.report
+        self._loss_sum += p.loss_sum
+        self._correct += p.correct
+        r.microbatches += 1
+        r.sequences += k
+        r.tokens += p.tokens
+        r.answer_tokens += p.answer_tokens
+        r.loss = self._loss_sum / max(r.answer_tokens, 1)
+        r.accuracy = self._correct / max(r.answer_tokens, 1)
+        return p.tokens
+
+    def run_all(self) -> None:
+        """Evaluate synchronously (outside an engine loop, e.g. the benchmark's quality judge)."""
+        if self.started_at is None:
+            self.start()
+        while not self.done():
+            self.run_unit()
+
+    def done(self) -> bool:
+        return self.pos >= len(self.examples)

@@ -1,0 +1,93 @@
+"""Background work the engine runs between serving steps, one unit at a time (see `layerwise`).
+
+A job is a queue of units: `next_unit()` says what comes next (so the co-execution rule can
+predict its cost), `run_unit()` runs it. Units are never discarded, so a job that yields to
+serving loses nothing; `finish()` resolves the job's future with its report.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from collm.edge_client.training.layerwise import Unit
+
+
+@dataclass
+class TrainBudget:
+    steps: int | None = None  # optimizer steps
+    tokens: int | None = None  # input tokens processed
+    deadline_s: float | None = None  # seconds from the job's start
+
+    def __post_init__(self):
+        if self.steps is None and self.tokens is None:
+            raise ValueError("a training budget needs steps or tokens")
+
+
+@dataclass
+class JobReport:
+    kind: str
+    microbatches: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    answer_tokens: int = 0
+    steps: int = 0
+    loss: float | None = None  # mean per-token loss over the job
+    first_loss: float | None = None
+    last_loss: float | None = None
+    accuracy: float | None = None
+    seconds: float = 0.0
+    compute_seconds: float = 0.0  # time spent running the job's units
+    units: int = 0
+    deferrals: int = 0  # times the engine held a unit back because serving needed the replica
+    deadline_hit: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+class BackgroundJob:
+    """Work the engine runs when serving leaves room, one unit per `run_unit()` call."""
+
+    kind = "job"
+
+    def __init__(self, deadline_s: float | None):
+        self.future: Future = Future()
+        self.report = JobReport(self.kind)
+        self.started_at: float | None = None
+        self.deadline_s = deadline_s
+
+    def start(self) -> None:
+        self.started_at = time.perf_counter()
+
+    def past_deadline(self, now: float) -> bool:
+        return self.deadline_s is not None and self.started_at is not None and now - self.started_at >= self.deadline_s
+
+    def next_unit(self) -> Unit:
+        """The unit `run_unit()` would run (only called while not `done()`)."""
+        raise NotImplementedError
+
+    def run_unit(self) -> int:
+        """Run the next unit; returns the input tokens of the micro-batch it completed (0 if none)."""
+        raise NotImplementedError
+
+    def at_pass_boundary(self) -> bool:
+        """True when no micro-batch is half done (the naive baseline runs whole micro-batches)."""
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def finish(self, deadline_hit: bool = False) -> JobReport:
+        self.report.deadline_hit = deadline_hit
+        if self.started_at is not None:
+            self.report.seconds = time.perf_counter() - self.started_at
+        if not self.future.done():
+            self.future.set_result(self.report)
+        return self.report
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)

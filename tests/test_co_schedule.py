@@ -1,0 +1,225 @@
+"""The co-execution rule as a pure function over plain data, and the engine living by it."""
+
+import threading
+import time
+
+import pytest
+import torch
+from helpers import prompt, tiny_engine
+
+from collm.edge_client.engine.co_schedule import (BusyWindow, Naive, RequestSlack, ServingLoad, WorkConserving,
+                                                  allowance, make_policy)
+from collm.edge_client.engine.cost_model import FixedCosts
+from collm.edge_client.engine.requests import FinishEvent, TokenEvent
+from collm.edge_client.model.lora import TrainingBinding, bind
+from collm.edge_client.model.sampling import SamplingParams
+from collm.edge_client.training.jobs import TrainBudget
+from collm.edge_client.training.layerwise import LayerwisePass
+from collm.edge_client.training.trainer import collate
+
+def decoding(now):
+    """A request half a second into its decode, 20 tokens out: plenty of TPOT slack."""
+    return RequestSlack(arrival=now - 1.0, first_token_at=now - 0.5, tokens_out=20, ttft_slo=2.0, tpot_slo=0.2,
+                        prefill_left=0)
+
+
+def load(now=10.0, running=0, waiting=0, prefill_left=0, step_s=0.01, requests=None):
+    reqs = tuple(requests if requests is not None else ([decoding(now)] * running))
+    return ServingLoad(now, running, waiting, prefill_left, step_s, reqs, step_token_budget=100, safety=0.8)
+
+
+# ------------------------------------------------------------------ the rule, pure
+def test_idle_replica_trains_back_to_back():
+    p = WorkConserving()
+    assert all(p.verdict(load(now=10.0 + i), unit_s=5.0).run for i in range(20))
+    assert p.verdict(load(), 5.0).reason == "idle"
+
+
+def test_nothing_runs_while_requests_wait_or_prefill():
+    p = WorkConserving(busy_share=1.0, margin=0.0)
+    assert p.verdict(load(running=1, waiting=1), 0.001).reason == "serving-first"
+    assert p.verdict(load(running=1, prefill_left=40), 0.001).reason == "serving-first"
+    assert not p.verdict(load(waiting=3), 0.001).run  # waiting but not yet admitted counts too
+
+
+def test_busy_time_is_off_by_default():
+    v = WorkConserving().verdict(load(running=1), 0.001)
+    assert not v.run and v.reason == "busy-share-off"
+
+
+def test_bucket_refuses_when_spent_and_resumes_when_accrued():
+    p = WorkConserving(busy_share=0.5, margin=0.1, window_s=10.0)
+    for t in range(10):  # serving took 2 of the last 10 s: rho = 0.2
+        p.observe_step(t + 1.0, 0.2)
+    assert p.window.rho(10.0) == pytest.approx(0.2)
+    assert p.verdict(load(now=10.0, running=1), 0.05).reason == "bucket"  # nothing accrued yet
+    # the bucket fills at 0.5 - rho - 0.1 = 0.2 s per s: after 0.5 s it holds 0.1 s
+    v = p.verdict(load(now=10.5, running=1), 0.05)
+    assert v.run and v.reason == "busy-share" and p.bucket == pytest.approx(0.1, rel=0.05)
+    p.spent(0.1)
+    assert p.verdict(load(now=10.5, running=1), 0.05).reason == "bucket"  # spent: refused ...
+    assert p.verdict(load(now=11.0, running=1), 0.05).run                 # ... until it accrues again
+
+
+def test_busy_replica_accrues_nothing():
+    p = WorkConserving(busy_share=0.5, margin=0.1, window_s=10.0)
+    for t in range(200):
+        p.observe_step(t * 0.1 + 0.1, 0.1)  # serving back to back: rho = 1
+    p.verdict(load(now=20.0, running=1), 0.001)
+    assert p.verdict(load(now=20.0, running=1), 0.001).reason == "bucket" and p.bucket == 0.0
+
+
+def test_per_step_cap_and_slack_guard():
+    p = WorkConserving(busy_share=1.0, margin=0.0, gamma=0.5, bucket_max_s=10.0)
+    p.verdict(load(now=0.0, running=1), 0.0)
+    p.verdict(load(now=10.0, running=1), 0.0)  # an idle window: the bucket is full
+    # cap: 0.5 x 0.8 x 0.2 - 0.01 = 0.07 s
+    assert p.verdict(load(now=10.0, running=1), 0.08).reason == "per-step-cap"
+    # slack: first token at 9.5, 1 token out: 0.8 x 0.2 x 1 - 0.5 - 0.01 < 0
+    late = RequestSlack(9.0, 9.5, 1, 2.0, 0.2, 0)
+    assert p.verdict(load(now=10.0, running=1, requests=[late]), 0.05).reason == "slack"
+    assert p.verdict(load(now=10.0, running=1), 0.05).run
+
+
+def test_naive_runs_whole_passes_regardless():
+    p = Naive()
+    assert p.whole_passes and p.verdict(load(running=4, waiting=9, prefill_left=500), 99.0).run
+
+
+def test_busy_window_clips_the_oldest_step():
+    w = BusyWindow(10.0)
+    w.record(5.0, 10.0)  # a 10 s step from -5 to 5
+    assert w.rho(5.0) == pytest.approx(1.0)   # window [-5, 5]: all of it
+    assert w.rho(10.0) == pytest.approx(0.5)  # window [0, 10]: its last 5 s
+    assert w.rho(15.0) == 0.0
+
+
+def test_policy_is_chosen_by_config():
+    from helpers import tiny_config
+
+    assert isinstance(make_policy(tiny_config().training), WorkConserving)
+    assert isinstance(make_policy(tiny_config(training={"co_schedule": "naive"}).training), Naive)
+
+
+def test_slack_guard_formula():
+    r = RequestSlack(arrival=8.5, first_token_at=9.0, tokens_out=10, ttft_slo=2.0, tpot_slo=0.2, prefill_left=0)
+    a = allowance(10.0, [r], step_s=0.05, step_token_budget=100, safety=0.8)
+    assert a.binding == "tpot" and a.seconds == pytest.approx(0.8 * 0.2 * 10 - 1.0 - 0.05)
+    w1 = RequestSlack(9.0, None, 0, 2.0, 0.2, 150)
+    w2 = RequestSlack(9.5, None, 0, 2.0, 0.2, 150)  # needs ceil(300 / 100) = 3 steps
+    a = allowance(10.0, [w2, w1], step_s=0.05, step_token_budget=100, safety=0.8)
+    assert a.binding == "ttft" and a.seconds == pytest.approx(min(1.6 - 1.0 - 2 * 0.05, 1.6 - 0.5 - 3 * 0.05))
+
+
+# ------------------------------------------------------------------ units of a micro-batch
+def test_layerwise_gradients_equal_one_monolithic_backward():
+    eng = tiny_engine(start=False)
+    t = eng.trainer
+    with torch.no_grad():
+        for b in t.adapter.b:
+            b.normal_(0, 0.1)  # a non-zero B, so every LoRA gradient is non-trivial
+    ids, mask, labels = collate(t.stream.peek(2), t.pad_id, eng.device)
+    params = list(t.adapter.parameters())
+    with bind(TrainingBinding(t.adapter)):
+        logits = eng.lm.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                                 ignore_index=-100, reduction="sum")
+        ref = torch.autograd.grad(loss, params)
+    p = LayerwisePass(eng.parts, ids, mask, labels, TrainingBinding(t.adapter), t.layer_params, head_chunk=5)
+    units = 0
+    while not p.done:
+        p.run_unit()
+        units += 1
+    n = len(eng.parts.layers)
+    assert units == n + -(-p.answer_tokens // 5) + n  # forward per layer, head chunks, backward per layer
+    assert p.loss_sum == pytest.approx(loss.item(), rel=1e-5)
+    for q, r in zip(params, ref):
+        torch.testing.assert_close(p.grads[id(q)], r, rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the engine living by the rule
+def test_training_holds_while_a_request_runs_and_resumes_after():
+    eng = tiny_engine()
+    try:
+        job = eng.train(TrainBudget(steps=10_000, deadline_s=60))
+        tokens, units = [], {}
+        done = threading.Event()
+
+        def on_event(ev):
+            if isinstance(ev, TokenEvent):
+                tokens.append(ev.index)
+                if len(tokens) in (5, 40):
+                    units[len(tokens)] = eng.telemetry.totals["background_units"]
+            elif isinstance(ev, FinishEvent):
+                done.set()
+
+        time.sleep(0.3)
+        assert eng.telemetry.totals["background_units"] > 0  # idle: training ran
+        eng.submit(prompt(eng, "hello"), SamplingParams(max_tokens=60, temperature=0, ignore_eos=True), on_event)
+        assert done.wait(30)
+        assert units[5] == units[40]  # not one unit while the request decoded
+        after = eng.telemetry.totals["background_units"]
+        time.sleep(0.3)
+        assert eng.telemetry.totals["background_units"] > after  # idle again: training resumed
+        assert eng.telemetry.totals["deferrals"] > 0
+    finally:
+        eng.end_jobs()
+        eng.stop()
+
+
+def test_an_arrival_waits_one_unit_and_the_micro_batch_resumes_not_recomputes():
+    eng = tiny_engine(start=False, training={"micro_batch_size": 1, "grad_accum_steps": 1})
+
+    def slow_layer(module, args):  # each layer of a *training* pass takes 0.1 s, like a big model
+        if torch.is_grad_enabled():
+            time.sleep(0.1)
+
+    for layer in eng.parts.layers:
+        layer.register_forward_pre_hook(slow_layer)
+    eng.start()
+    n = len(eng.parts.layers)
+    first_two = eng.trainer.stream.peek(2)  # the micro-batches the job will run, in order
+    want_units = sum(2 * n + -(-sum(1 for lab in e.labels[1:] if lab != -100) // 128) for e in first_two)
+    try:
+        job = eng.train(TrainBudget(steps=2, deadline_s=60))
+        time.sleep(0.05)  # the first forward unit (0.1 s) is running now
+        ttft = eng.generate(prompt(eng, "hello"), SamplingParams(max_tokens=2, temperature=0)).record.ttft_s
+        assert ttft < 0.2, ttft  # at most one slow unit, not the whole micro-batch (>= 0.2 s of forward)
+        rep = job.result(timeout=60)
+        assert rep.microbatches == 2 and rep.steps == 2
+        assert rep.units == want_units  # every unit ran once: the interrupted micro-batch was resumed, not redone
+    finally:
+        eng.stop()
+
+
+def test_naive_mode_trains_whole_micro_batches_during_serving():
+    eng = tiny_engine(training={"co_schedule": "naive"})
+    try:
+        job = eng.train(TrainBudget(steps=10_000, deadline_s=60))
+        before = eng.telemetry.totals["train_microbatches"]
+        eng.generate(prompt(eng, "hi"), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        assert eng.telemetry.totals["train_microbatches"] - before >= 20  # one after (nearly) every step
+    finally:
+        eng.end_jobs()
+        eng.stop()
+
+
+def test_busy_share_trains_between_decodes_within_its_budget():
+    eng = tiny_engine(costs=FixedCosts(step_s=0.001, unit_s=0.001), engine={"warmup": False},
+                      training={"busy_share": 1.0, "busy_margin": 0.0})
+    try:
+        job = eng.train(TrainBudget(steps=10_000, deadline_s=60))
+        seen = {}
+
+        def on_event(ev):
+            if isinstance(ev, TokenEvent) and ev.index in (5, 60):
+                seen[ev.index] = eng.telemetry.totals["background_units"]
+
+        eng.submit(prompt(eng, "hi"), SamplingParams(max_tokens=80, temperature=0, ignore_eos=True), on_event)
+        deadline = time.time() + 30
+        while 60 not in seen and time.time() < deadline:
+            time.sleep(0.01)
+        assert seen[60] > seen[5]  # units ran between the decode steps of a running request
+    finally:
+        eng.end_jobs()
+        eng.stop()
