@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import yaml
 
 from collm.common.data import load_records
 from collm.lab.loadgen import poisson_schedule, replay, summarize
+from collm.lab.topology import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {
@@ -33,12 +33,6 @@ PRESETS = {
     "tiny": ("configs/edge-tiny.yaml", 4.0, 15.0, 32),
     "bundled": ("configs/edge-smollm2.yaml", 0.3, 40.0, 24),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Edge:

@@ -44,7 +44,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,7 @@ import yaml
 from benchkit import table
 
 from collm.common.stats import percentile
+from collm.lab.topology import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = time.perf_counter()
@@ -65,12 +65,6 @@ POLICIES = ("slo", "round_robin", "least_outstanding")
 
 def say(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180, want=lambda r: True) -> None:

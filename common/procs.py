@@ -25,6 +25,28 @@ def usable_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+def lower_priority(nice: int):
+    """A `preexec_fn` that runs the child at `nice` (None for 0): background work (federation
+    coordination, message transport) gets the CPU time serving leaves.
+
+    With the kernel's autogroup scheduling (on by default), a process in a session of its own
+    competes as a whole group, whatever its nice value, so the group's nice is set too
+    (/proc/self/autogroup); otherwise a coordinator in its own session still took half of an
+    edge's core while it moved a round's messages."""
+    if nice <= 0:
+        return None
+
+    def apply() -> None:
+        os.nice(nice)
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(nice))
+        except OSError:
+            pass  # no autogroup (kernel option off, or not Linux): nice alone applies
+
+    return apply
+
+
 def quiet_flower() -> None:
     """Flower's telemetry and update check off in this process (flwr code called in-process)."""
     for k, v in FLOWER_QUIET.items():

@@ -102,3 +102,13 @@ def mean_rate(trace: list[TraceRequest]) -> float:
     if len(trace) < 2:
         return 0.0
     return (len(trace) - 1) / max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)
+
+
+def at_rate(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
+    """The same requests from t = 0, arrival times stretched so the mean rate is `rate` per second
+    ((n - 1) / span); the trace's bursts and lulls keep their shape."""
+    if len(trace) < 2:
+        return [TraceRequest(0.0, r.prompt_tokens, r.output_tokens) for r in trace]
+    t0, span = trace[0].arrival_s, trace[-1].arrival_s - trace[0].arrival_s
+    k = (len(trace) - 1) / (rate * span) if span > 0 else 0.0
+    return [TraceRequest((r.arrival_s - t0) * k, r.prompt_tokens, r.output_tokens) for r in trace]

@@ -158,6 +158,11 @@ class FederationConfig(Strict):
     root_certificates: str | None = Field(None, description="CA file to verify the SuperLink (TLS)")
     auth_private_key: str | None = Field(None, description="SuperNode key (OpenSSH ECDSA) for node authentication")
     node_config: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    supernode_nice: int = Field(10, ge=0, le=19, description="scheduling niceness of the child flower-supernode: "
+                                "relaying round messages is background work, serving on this device goes first")
+    bootstrap_from: str | None = Field(None, description="the server's checkpoint directory, where this edge can "
+                                       "read it (a shared or mounted folder): a (re)started edge serves the latest "
+                                       "global adapter from there before it reports ready")
 
     @model_validator(mode="after")
     def _tls(self) -> FederationConfig:

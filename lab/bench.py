@@ -1,29 +1,39 @@
 """`collm-bench --config bench.yaml`: trace-replay goodput of CoLLM against the deployments it replaces.
 
-Every mode runs on the same number of replicas (edge processes on this machine), the same trace
-window and the same SLOs, one mode after another:
+Every mode runs on the same replicas (edge processes on this machine, each pinned to its own cores),
+the same SLOs and the same arrivals, one mode after another:
 
-* `collm`            every replica serves and trains (co-scheduled in the SLO slack), the balancer
-                     sizes each round, the SLO-aware router spreads requests, shadow swaps;
+* `collm`            every replica serves and trains (training only in time serving does not need),
+                     the balancer sizes each round, the SLO-aware router spreads requests, shadow swaps;
 * `isolated`         the usual split: half the replicas only serve, half only train federated; the
                      serving half reloads the new global adapter from disk after each round;
-* `colocated-naive`  every replica serves and trains at full speed all the time (no SLO control,
-                     no balancer: equal budgets), round-robin routing;
+* `colocated-naive`  every replica serves and trains flat out (a whole micro-batch after every step,
+                     no SLO control, equal budgets), round-robin routing;
 * `serve-only`       no training at all (quality stays where it started), round-robin routing.
 
-Per mode: the trace window is replayed open-loop through the router (collm.lab.loadgen), then a
-rate sweep replays further trace windows at multiples of the rate on the same running topology.
-Served quality is measured after the mode, outside the window, on one fixed held-out set for all
-modes: the loss of each global adapter that was served, at the time it was swapped in.
+The run, in order:
+
+1. capacity: on the serve-only topology, probe rates `start_rate * growth^k` until SLO attainment
+   falls below the target, then bisect; serve-only's capacity C is the interpolated crossing;
+2. load points: offered loads `fraction * C` (0.2x..1.2x), each a segment of the trace whose
+   arrival times are scaled to that mean rate (bursts kept), with enough requests to measure it;
+   every mode replays exactly these plans, so request i of a point is the same arrival in every mode;
+3. per point and mode: attainment, goodput and latency percentiles, training tokens/s (the edges'
+   counters); 95% bootstrap intervals, and paired-bootstrap intervals for goodput ratios between
+   modes (request i resampled together in both);
+4. served quality: after each mode, the loss of every global adapter it served on one fixed
+   held-out set, at the time it was swapped in.
+
+It writes results.json (per request: SLO met or not, so every number can be recomputed),
+report.md and plots, and results.partial.json after each mode.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import re
-import shutil
 import signal
 import sys
 import threading
@@ -34,17 +44,18 @@ import httpx
 import yaml
 
 from collm.common import metric_names as M
-from collm.common.config import load_config
-from collm.edge_client.config import EdgeConfig
+from collm.common.config import deep_merge
 from collm.common.data import Record, categories, load_records, partition_by_category, split_holdout
 from collm.common.errors import UserError, cli_entry
-from collm.lab.loadgen import Planned, replay, summarize
-from collm.common.procs import BIN_DIR, usable_cpus
-from collm.common.traces import TraceScaling, load_trace
-
+from collm.common.procs import BIN_DIR
+from collm.common.stats import mean_ci
+from collm.common.traces import TraceRequest, TraceScaling, at_rate, load_trace
 from collm.lab.bench_config import BenchConfig
-from collm.lab.lab import BASE_CONFIGS, Lab, free_port, interrupt_on_signal, wait_http
+from collm.lab.loadgen import Outcome, Planned, replay, summarize
+from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
+                                prepare_out, replica_cores, wait_http, write_config)
 from collm.router.state import parse_prometheus
+from collm.common.rounds import complete_rounds, read_status
 
 
 # ----------------------------------------------------------------------------- requests
@@ -64,19 +75,49 @@ class PromptMaker:
         return "\n\n".join(parts)[:want]
 
 
-def plan_window(cfg: BenchConfig, model: str, start_s: float, seconds: float, speed: float,
-                prompts: PromptMaker) -> list[Planned]:
-    t = cfg.trace
-    scaling = TraceScaling(speed=speed, token_scale=t.token_scale, max_prompt_tokens=t.max_prompt_tokens,
-                           max_output_tokens=t.max_output_tokens, min_output_tokens=t.min_output_tokens,
-                           start_s=start_s, duration_s=seconds * speed)
-    plan = []
-    for req in load_trace(t.path, scaling):
-        body = {"model": model, "messages": [{"role": "user", "content": prompts(req.prompt_tokens)}],
-                "max_tokens": req.output_tokens, "temperature": 0.7, "seed": len(plan), "ignore_eos": True,
-                "slo": {"ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}}
-        plan.append(Planned(req.arrival_s, body, ttft_slo_s=cfg.ttft_ms / 1000, tpot_slo_s=cfg.tpot_ms / 1000))
-    return plan
+class Workload:
+    """The trace's requests from `trace.start_s` on, replayed at a chosen mean rate.
+
+    Every probe and load point replays a prefix of the same request sequence (the longer the point,
+    the longer the prefix), its arrival times stretched to the point's mean rate with the trace's
+    bursts kept: a higher load is the same workload, only faster, so attainment against rate is
+    not blurred by one segment of the trace being burstier than another.
+    """
+
+    def __init__(self, cfg: BenchConfig):
+        t = cfg.trace
+        self.cfg = cfg
+        self.requests = load_trace(t.path, TraceScaling(
+            token_scale=t.token_scale, max_prompt_tokens=t.max_prompt_tokens, max_output_tokens=t.max_output_tokens,
+            min_output_tokens=t.min_output_tokens, start_s=t.start_s))
+        if len(self.requests) < 2:
+            raise UserError(f"trace {t.path or '(shipped)'} from {t.start_s:g} s holds {len(self.requests)} "
+                            "request(s); a benchmark needs at least 2: lower trace.start_s")
+        self.prompts = PromptMaker(load_records()[::7])
+
+    def segment(self, rate: float, seconds: float, min_requests: int) -> list[TraceRequest]:
+        """The first max(min_requests, rate * seconds) requests at mean rate `rate` (the trace repeats
+        if it is shorter)."""
+        n = max(min_requests, math.ceil(rate * seconds), 2)
+        span = self.requests[-1].arrival_s + 1.0
+        reqs = [TraceRequest(r.arrival_s + (i // len(self.requests)) * span, r.prompt_tokens, r.output_tokens)
+                for i, r in ((i, self.requests[i % len(self.requests)]) for i in range(n))]
+        return at_rate(reqs, rate)
+
+    def plan(self, reqs: list[TraceRequest], model_id: str) -> list[Planned]:
+        cfg = self.cfg
+        slo = {"ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}
+        return [Planned(r.arrival_s, {
+            "model": model_id, "messages": [{"role": "user", "content": self.prompts(r.prompt_tokens)}],
+            "max_tokens": r.output_tokens, "temperature": 0.7, "seed": i, "ignore_eos": True, "slo": slo},
+            ttft_slo_s=cfg.ttft_ms / 1000, tpot_slo_s=cfg.tpot_ms / 1000) for i, r in enumerate(reqs)]
+
+
+def window_of(plan: list[Planned]) -> float:
+    """Seconds the plan's arrivals span, as n / rate: goodput = SLO-meeting requests / this."""
+    if len(plan) < 2:
+        return 1.0
+    return plan[-1].at_s * len(plan) / (len(plan) - 1)
 
 
 # ----------------------------------------------------------------------------- topology
@@ -89,76 +130,62 @@ def mode_roles(mode: str, n: int) -> list[str]:
     return ["serve+train"] * n
 
 
-def edge_configs(cfg: BenchConfig, mode: str, superlink: str, out: Path) -> list[dict]:
-    """One edge config per replica, in the order of `mode_roles`."""
-    base = yaml.safe_load(Path(BASE_CONFIGS[cfg.model]).read_text())
-    roles = mode_roles(mode, cfg.replicas)
-    parts = [categories(p) for p in partition_by_category(load_records(), cfg.replicas)]
-    if mode == "isolated":  # the training half holds all the training data, two domains each
-        half = cfg.replicas // 2
-        parts = [parts[i] + parts[i + half] for i in range(half)] * 2
-    configs = []
-    for i, role in enumerate(roles):
-        c = json.loads(json.dumps(base))
-        c["name"] = f"{role.replace('+', '-')}{i}"
-        c["api"] = {**c.get("api", {}), "host": "127.0.0.1", "port": free_port(), "admin": True}
-        c["slo"] = {**c.get("slo", {}), "ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}
-        c["data"] = {**c.get("data", {}), "categories": parts[i]}
-        c["training"] = {**c.get("training", {}), "co_schedule": "naive" if mode == "colocated-naive" else "work_conserving",
-                         "max_eval_records": cfg.federation.eval_records}
-        c["model"] = {**c["model"], "cpu_affinity": replica_cores(i, cfg.replicas)}
-        c["federation"] = {"enabled": "train" in role, "superlink": superlink, "runtime_port": free_port()}
-        c["state_dir"] = str(out / "state" / c["name"])
-        configs.append(c)
-    return configs
-
-
-def replica_cores(i: int, n: int) -> list[int]:
-    """The cores replica i of n is pinned to: each replica its own share, like separate devices."""
-    cpus = usable_cpus()
-    if n >= len(cpus):
-        return [cpus[i % len(cpus)]]
-    per = len(cpus) // n
-    return cpus[i * per:(i + 1) * per]
-
-
 class ModeRun:
     """The processes of one mode: SuperLink, edges, router and (if it trains) the ServerApp."""
 
     def __init__(self, cfg: BenchConfig, mode: str, out: Path):
         self.cfg, self.mode, self.out = cfg, mode, out
-        self.lab = Lab(out)
-        self.superlink = f"127.0.0.1:{free_port()}"
-        self.lab.superlink = self.superlink  # so stop() also ends the ServerApp the SuperLink detached
-        self.edges = edge_configs(cfg, mode, self.superlink, out)
-        self.roles = dict(zip((e["name"] for e in self.edges), mode_roles(mode, cfg.replicas)))
-        self.urls = {e["name"]: f"http://127.0.0.1:{e['api']['port']}" for e in self.edges}
-        self.trains = any(e["federation"]["enabled"] for e in self.edges)
+        out.mkdir(parents=True, exist_ok=True)
+        self.group = ProcessGroup(out)
+        self.roles = mode_roles(mode, cfg.replicas)
+        self.trains = any("train" in r for r in self.roles)
+        self.superlink = f"127.0.0.1:{free_port()}" if self.trains else None
+        self.group.superlink = self.superlink  # so stop() also ends the ServerApp the SuperLink detached
+        parts = [categories(p) for p in partition_by_category(load_records(), cfg.replicas)]
+        if mode == "isolated":  # the training half holds all the training data, two domains each
+            half = cfg.replicas // 2
+            parts = [parts[i] + parts[i + half] for i in range(half)] * 2
+        self.edges = []
+        for i, role in enumerate(self.roles):
+            cores = replica_cores(i, cfg.replicas)
+            training = {"co_schedule": "naive" if mode == "colocated-naive" else "work_conserving",
+                        "busy_share": cfg.busy_share if mode == "collm" else 0.0,
+                        "max_eval_records": cfg.federation.eval_records}
+            self.edges.append(edge_config(
+                cfg.model, f"{role.replace('+', '-')}{i}", out, categories=parts[i],
+                superlink=self.superlink if "train" in role else None,
+                overrides=deep_merge(cfg.edge, {
+                    "slo": {"ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}, "training": training,
+                    "model": {"cpu_affinity": cores, "threads": len(cores)},
+                    "api": {"admin": mode == "isolated" and role == "serve"}})))
+        self.urls = {e.name: edge_url(e) for e in self.edges}
         self.reloads: list[dict] = []
         self._stop = threading.Event()
+        self.router = ""
+        self.model_id = BASE_MODEL_NAMES[cfg.model]
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out / "checkpoints"
 
     def start(self) -> None:
+        g = self.group
         if self.trains:
-            self.lab.spawn("superlink", [str(BIN_DIR / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
-                                         "--port", self.superlink.split(":")[1],
-                                         "--disable-runtime-dependency-installation"])
+            g.spawn("superlink", [str(BIN_DIR / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
+                                  "--port", self.superlink.split(":")[1], "--disable-runtime-dependency-installation"], nice=COORDINATOR_NICE)
         for e in self.edges:
-            path = self.out / f"{e['name']}.yaml"
-            path.write_text(yaml.safe_dump(e))
-            load_config(EdgeConfig, path)
-            self.lab.spawn(e["name"], [str(BIN_DIR / "collm-edge"), "--config", str(path)])
+            g.spawn(e.name, [str(BIN_DIR / "collm-edge"), "--config", str(write_config(self.out / f"{e.name}.yaml", e))])
         for name, url in self.urls.items():
-            wait_http(url + "/health", self.lab, 900 if self.cfg.model == "bundled" else 120, f"edge {name}")
-        serving = [e for e in self.edges if "serve" in self.roles[e["name"]]]
-        policy = "slo" if self.mode == "collm" else "round_robin"
+            wait_http(url + "/health", g, 900 if self.cfg.model == "bundled" else 120, f"edge {name}")
+        serving = [e for e, role in zip(self.edges, self.roles) if "serve" in role]
         router_port = free_port()
         rcfg = {"api": {"host": "127.0.0.1", "port": router_port},
-                "edges": [{"name": e["name"], "url": self.urls[e["name"]]} for e in serving],
-                "routing": {"policy": policy}}
+                "edges": [{"name": e.name, "url": self.urls[e.name]} for e in serving],
+                "routing": {"policy": "slo" if self.mode == "collm" else "round_robin"}}
         (self.out / "router.yaml").write_text(yaml.safe_dump(rcfg))
-        self.lab.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(self.out / "router.yaml")])
+        g.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(self.out / "router.yaml")])
         self.router = f"http://127.0.0.1:{router_port}"
-        wait_http(self.router + "/health", self.lab, 60, "collm-router")
+        wait_http(self.router + "/health", g, 60, "collm-router")
         self.model_id = httpx.get(self.router + "/v1/models").json()["data"][0]["id"]
         if self.trains:
             self._start_server()
@@ -167,61 +194,146 @@ class ModeRun:
             threading.Thread(target=self._reload_serving_replicas, daemon=True).start()
 
     def _start_server(self) -> None:
+        wait_http(f"http://{self.superlink}/health", self.group, 120, "flower-superlink")
         f = self.cfg.federation
-        trainers = [e for e in self.edges if e["federation"]["enabled"]]
+        trainers = [e for e, role in zip(self.edges, self.roles) if "train" in role]
         server = yaml.safe_load(Path("configs/server.yaml").read_text())
         server.update({"rounds": f.rounds, "min_nodes": len(trainers), "checkpoint_dir": str(self.ckpt_dir),
                        "round_timeout_s": 4 * f.round_deadline_s + 120, "query_timeout_s": 60,
-                       "base_model_name": self.model_id, "lora": trainers[0].get("lora", server.get("lora"))})
+                       "base_model_name": self.model_id, "lora": trainers[0].lora.model_dump()})
         server["balancer"].update({"round_deadline_s": f.round_deadline_s, "round_token_budget": f.round_token_budget,
                                    "lr": f.lr, "mode": "slo" if self.mode == "collm" else "uniform"})
         (self.out / "server.yaml").write_text(yaml.safe_dump(server))
-        self.lab.spawn("server", [str(BIN_DIR / "collm-server"), "--insecure", "--superlink", self.superlink,
-                                  "-c", f'config="{self.out / "server.yaml"}"'])
+        self.group.spawn("server", [str(BIN_DIR / "collm-server"), "--insecure", "--superlink", self.superlink,
+                                    "-c", f'config="{self.out / "server.yaml"}"'], nice=COORDINATOR_NICE)
 
     def _wait_first_round(self, timeout: float = 300) -> None:
-        """Start the window only once round 1 is planned, so every training mode is measured while it
-        trains (starting the ServerApp process takes seconds that would otherwise eat the window)."""
-        log = self.out / "logs" / "server.log"
+        """Start measuring only once round 1 is planned (the ServerApp's start-up takes seconds)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            self.lab.check_alive()
-            server = dict(self.lab.procs)["server"]
+            self.group.check_alive(ignore=("server",))
+            server = self.group.get("server")
             if server.poll() is not None:
-                raise UserError(f"the ServerApp exited with status {server.returncode} before round 1 (see {log})")
-            if log.is_file() and re.search(r"round 1: \S+ (trains|sits out)", log.read_text(errors="replace")):
+                raise UserError(f"the ServerApp exited with status {server.returncode} before round 1 "
+                                f"(see {self.group.log_path('server')})")
+            if (read_status(self.ckpt_dir) or {}).get("round", 0) >= 1:
                 return
             time.sleep(0.25)
-        raise UserError(f"the ServerApp did not start round 1 within {timeout:.0f} s (see {log})")
-
-    @property
-    def ckpt_dir(self) -> Path:
-        return self.out / "checkpoints"
+        raise UserError(f"the ServerApp did not start round 1 within {timeout:.0f} s "
+                        f"(see {self.group.log_path('server')})")
 
     def _reload_serving_replicas(self) -> None:
         """The isolated deployment: after each round, the serving replicas load the new adapter from disk."""
         seen = 0
         while not self._stop.wait(0.5):
-            done = complete_rounds(self.ckpt_dir)
-            for r in [r for r in done if r > seen]:
-                for e in self.edges:
-                    if self.roles[e["name"]] == "serve":
+            for r in [r for r in complete_rounds(self.ckpt_dir) if r > seen]:
+                for e, role in zip(self.edges, self.roles):
+                    if role == "serve":
                         t0 = time.time()
-                        resp = httpx.post(self.urls[e["name"]] + "/admin/adapters",
-                                          json={"path": str(self.ckpt_dir / f"round-{r:04d}"), "version": r}, timeout=60)
-                        self.reloads.append({"round": r, "edge": e["name"], "status": resp.status_code,
+                        resp = httpx.post(self.urls[e.name] + "/admin/adapters",
+                                          json={"path": str(self.ckpt_dir / f"round-{r:04d}"), "version": r},
+                                          timeout=60)
+                        self.reloads.append({"round": r, "edge": e.name, "status": resp.status_code,
                                              "at": time.time(), "seconds": time.time() - t0})
                 seen = r
 
+    def training_tokens(self) -> float:
+        """Training tokens all replicas have processed so far (their /metrics counters)."""
+        total = 0.0
+        for url in self.urls.values():
+            try:
+                total += parse_prometheus(httpx.get(url + "/metrics", timeout=10).text).get(M.TRAIN_TOKENS, 0.0)
+            except (httpx.HTTPError, ValueError):
+                pass
+        return total
+
     def stop(self) -> None:
         self._stop.set()
-        self.lab.stop()
+        self.group.stop()
 
 
-def complete_rounds(ckpt: Path) -> list[int]:
-    if not ckpt.is_dir():
-        return []
-    return sorted(int(d.name.split("-")[1]) for d in ckpt.glob("round-*") if (d / "metrics.json").is_file())
+# ----------------------------------------------------------------------------- one load point
+def measure(run: ModeRun, plan: list[Planned], cfg: BenchConfig, label: dict) -> dict:
+    """Replay `plan` through the mode's router; the point's numbers, with 95% intervals."""
+    tok0, t0 = run.training_tokens(), time.time()
+    outcomes = replay(plan, run.router)
+    t1 = time.time()
+    tokens = run.training_tokens() - tok0
+    window = window_of(plan)
+    s = summarize(outcomes, window)
+    met = [1.0 if o.slo_met else 0.0 for o in outcomes]
+    att, lo, hi = mean_ci(met, resamples=cfg.bootstrap)
+    n = len(outcomes)
+    return {**label, "rate": n / window, "window_s": window, **s,
+            "attainment_ci": [lo, hi], "goodput_ci": [lo * n / window, hi * n / window],
+            "train_tokens": tokens, "train_tokens_per_s": tokens / max(t1 - t0, 1e-9),
+            "started_at": t0, "ended_at": t1, "slo_met": met, "outcomes": [_compact(o) for o in outcomes]}
+
+
+def _compact(o: Outcome) -> dict:
+    return {"at": round(o.sent_at, 3), "status": o.status, "ttft_s": o.ttft_s, "tpot_s": o.tpot_s,
+            "tokens": o.output_tokens, "version": o.adapter_version, "edge": o.edge}
+
+
+def find_capacity(run: ModeRun, work: Workload, cfg: BenchConfig, bar) -> dict:
+    """Serve-only's highest rate at >= the target attainment: grow the rate until it fails, then bisect."""
+    c = cfg.capacity
+    probes: list[dict] = []
+
+    def probe(rate: float) -> dict:
+        plan = work.plan(work.segment(rate, c.probe_s, c.min_requests), run.model_id)
+        p = measure(run, plan, cfg, {"probe": len(probes) + 1})
+        probes.append({k: v for k, v in p.items() if k not in ("outcomes", "slo_met")})
+        bar.write(f"  capacity probe {len(probes)}: {p['rate']:.3f} req/s, {p['requests']} requests, attainment "
+                  f"{p['slo_attainment']:.3f} [{p['attainment_ci'][0]:.2f}, {p['attainment_ci'][1]:.2f}]")
+        return p
+
+    rate, passed, failed = c.start_rate, None, None
+    while len(probes) < c.max_probes:
+        p = probe(rate)
+        if p["slo_attainment"] >= c.target_attainment:
+            passed = p
+            if failed is not None:
+                break
+            rate *= c.growth
+        else:
+            failed = p
+            if passed is not None:
+                break
+            rate /= c.growth
+    for _ in range(c.refine):
+        if passed is None or failed is None or len(probes) >= c.max_probes:
+            break
+        p = probe(math.sqrt(passed["rate"] * failed["rate"]))
+        if p["slo_attainment"] >= c.target_attainment:
+            passed = p
+        else:
+            failed = p
+    if passed is None:
+        raise UserError(f"serve-only missed {c.target_attainment:.0%} attainment even at {probes[-1]['rate']:.3g} "
+                        "req/s: lower capacity.start_rate or relax the SLOs (ttft_ms, tpot_ms)")
+    if failed is None:
+        rate = passed["rate"]
+        note = "no probe failed: capacity is at least this (raise capacity.max_probes or start_rate)"
+    else:
+        (r0, a0), (r1, a1) = (passed["rate"], passed["slo_attainment"]), (failed["rate"], failed["slo_attainment"])
+        rate = r0 + (r1 - r0) * (a0 - c.target_attainment) / (a0 - a1) if a0 != a1 else r0
+        note = "interpolated between the last probe that passed and the first that failed"
+    return {"rate": rate, "note": note, "probes": probes, "target_attainment": c.target_attainment}
+
+
+def max_sustained_rate(points: list[dict], target: float) -> float:
+    """Highest rate with attainment >= target, interpolated between the last pass and the first fail."""
+    pts = sorted((p["rate"], p["slo_attainment"] or 0.0) for p in points)
+    best = 0.0
+    for (r0, a0), (r1, a1) in zip([(0.0, 1.0)] + pts, pts):
+        if a1 >= target:
+            best = r1
+            continue
+        if a0 >= target and a0 != a1:
+            best = r0 + (r1 - r0) * (a0 - target) / (a0 - a1)
+        break
+    return best
 
 
 # ----------------------------------------------------------------------------- served quality
@@ -229,26 +341,19 @@ class QualityJudge:
     """Loss of adapters on one fixed held-out set (same for every mode), computed outside the windows."""
 
     def __init__(self, cfg: BenchConfig):
-        from collm.edge_client.model.loading import load_model
-        from collm.edge_client.engine import Engine
-
-        base = load_config(EdgeConfig, BASE_CONFIGS[cfg.model])
-        lm = load_model(base.model)
         from collm.common.data import format_example
+        from collm.edge_client.engine import Engine
+        from collm.edge_client.model.loading import load_model
 
+        base = edge_config(cfg.model, "judge", Path(cfg.out), categories=[], overrides=cfg.edge)
+        lm = load_model(base.model)
         self.engine = Engine(lm, base)  # not started: evaluation runs synchronously here
-        by_cat = self._records_by_category()
+        by_cat: dict[str, list[Record]] = {}
+        for r in split_holdout(load_records(), 0.1)[1]:
+            by_cat.setdefault(r.category, []).append(r)
         per_cat = max(1, cfg.eval_records // max(1, len(by_cat)))
-        self.records = [r for rs in by_cat.values() for r in rs[:per_cat]]
-        self.examples = [format_example(lm.tokenizer, r, base.training.max_seq_len) for r in self.records]
-
-    @staticmethod
-    def _records_by_category() -> dict[str, list[Record]]:
-        _, hold = split_holdout(load_records(), 0.1)
-        out: dict[str, list[Record]] = {}
-        for r in hold:
-            out.setdefault(r.category, []).append(r)
-        return out
+        self.examples = [format_example(lm.tokenizer, r, base.training.max_seq_len)
+                         for rs in by_cat.values() for r in rs[:per_cat]]
 
     def loss(self, state: dict | None) -> float:
         from collm.edge_client.training.evaluation import EvalJob
@@ -261,8 +366,8 @@ class QualityJudge:
         return float(job.report.loss)
 
 
-def served_loss_timeline(judge: QualityJudge, run: ModeRun, t_window: float, base_loss: float) -> list[dict]:
-    """(seconds after the window start, loss) of every adapter the mode served, from its swap time."""
+def served_loss_timeline(judge: QualityJudge, run: ModeRun, t_start: float, base_loss: float) -> list[dict]:
+    """(seconds after the mode's first point started, loss) of every adapter it served, from its swap."""
     from collm.common.adapter_io import load_adapter
 
     points = [{"t": 0.0, "round": 0, "loss": base_loss}]
@@ -275,73 +380,53 @@ def served_loss_timeline(judge: QualityJudge, run: ModeRun, t_window: float, bas
                 continue  # written but never loaded by the serving replicas
             swapped = max(at)
         state, _ = load_adapter(d)
-        points.append({"t": swapped - t_window, "round": r, "loss": judge.loss(state)})
+        points.append({"t": swapped - t_start, "round": r, "loss": judge.loss(state)})
     return points
 
 
 # ----------------------------------------------------------------------------- one mode
-def run_mode(cfg: BenchConfig, mode: str, out: Path, judge: QualityJudge, base_loss: float, bar) -> dict:
-    records = [r for r in load_records()]
-    prompts = PromptMaker(records[::7])
+def run_mode(cfg: BenchConfig, mode: str, out: Path, work: Workload, plans: list[tuple[float, list[Planned]]] | None,
+             judge: QualityJudge, base_loss: float, bar) -> dict:
+    """Start the mode's topology, (serve-only without a fixed capacity: find it), replay every load point."""
     run = ModeRun(cfg, mode, out)
-    result: dict = {"mode": mode, "replicas": cfg.replicas, "roles": run.roles}
+    result: dict = {"mode": mode, "replicas": cfg.replicas, "roles": dict(zip((e.name for e in run.edges), run.roles))}
+    t_start = time.time()
     try:
-        t0 = time.time()
         run.start()
-        result["startup_s"] = round(time.time() - t0, 1)
+        result["startup_s"] = round(time.time() - t_start, 1)
         time.sleep(cfg.warmup_s)
-        plan = plan_window(cfg, run.model_id, cfg.trace.start_s, cfg.window_s, cfg.trace.speed, prompts)
-        t_window = time.time()
-        outcomes = replay(plan, run.router)
-        result["window"] = {**summarize(outcomes, cfg.window_s), "rate": len(plan) / cfg.window_s,
-                            "seconds": cfg.window_s}
-        bar.update(1)
-        result["versions_served"] = sorted({o.adapter_version for o in outcomes if o.adapter_version is not None})
-        sweep = []
-        offset = cfg.trace.start_s + cfg.window_s * cfg.trace.speed
-        for f in cfg.sweep.factors:
-            speed = cfg.trace.speed * f
-            p = plan_window(cfg, run.model_id, offset, cfg.sweep.seconds, speed, prompts)
-            offset += cfg.sweep.seconds * speed
-            s = summarize(replay(p, run.router), cfg.sweep.seconds)
-            sweep.append({"factor": f, "rate": len(p) / cfg.sweep.seconds, **s})
+        if plans is None:  # the serve-only run measures the capacity every load point is a fraction of
+            cap = ({"rate": cfg.capacity.rate, "note": "fixed in the config", "probes": [],
+                    "target_attainment": cfg.capacity.target_attainment} if cfg.capacity.rate
+                   else find_capacity(run, work, cfg, bar))
+            result["capacity"] = cap
+            plans = [(f, work.plan(work.segment(f * cap["rate"], cfg.load.seconds, cfg.load.min_requests),
+                                   run.model_id)) for f in cfg.load.fractions]
+        result["plans"] = plans
+        t_start = time.time()
+        points = []
+        for f, plan in plans:
+            bar.set_postfix_str(f"{mode} {f:g}x")
+            p = measure(run, plan, cfg, {"fraction": f})
+            points.append(p)
             bar.update(1)
-        result["sweep"] = sweep
-        result["max_rate"] = max_sustained_rate(sweep, cfg.sweep.target_attainment)
-        result["train"] = training_totals(run)
+            bar.write(f"  {mode} {f:g}x capacity ({p['rate']:.3f} req/s, {p['requests']} requests): goodput "
+                      f"{p['goodput_rps']:.3f} req/s, attainment {p['slo_attainment']:.3f} "
+                      f"[{p['attainment_ci'][0]:.2f}, {p['attainment_ci'][1]:.2f}], training "
+                      f"{p['train_tokens_per_s']:.0f} tok/s")
+            time.sleep(cfg.load.drain_s)
+        result["points"] = points
+        result["max_rate"] = max_sustained_rate(points, cfg.capacity.target_attainment)
+        result["versions_served"] = sorted({o["version"] for p in points for o in p["outcomes"]
+                                            if o["version"] is not None})
         result["rounds_completed"] = len(complete_rounds(run.ckpt_dir))
         result["reloads"] = run.reloads
-        result["wall_s"] = round(time.time() - t_window, 1)
+        result["wall_s"] = round(time.time() - t_start, 1)
     finally:
         run.stop()
-    result["served_loss"] = served_loss_timeline(judge, run, t_window, base_loss)
+    result["served_loss"] = served_loss_timeline(judge, run, t_start, base_loss)
     result["final_loss"] = result["served_loss"][-1]["loss"]
     return result
-
-
-def training_totals(run: ModeRun) -> dict:
-    """Training tokens the replicas processed (from their /metrics)."""
-    tokens = 0.0
-    for url in run.urls.values():
-        try:
-            tokens += parse_prometheus(httpx.get(url + "/metrics", timeout=5).text).get(M.TRAIN_TOKENS, 0.0)
-        except httpx.HTTPError:
-            pass
-    return {"tokens": tokens}
-
-
-def max_sustained_rate(sweep: list[dict], target: float) -> float:
-    """Highest rate with attainment >= target, interpolated between the last pass and the first fail."""
-    pts = sorted((p["rate"], p["slo_attainment"] or 0.0) for p in sweep)
-    best = 0.0
-    for (r0, a0), (r1, a1) in zip([(0.0, 1.0)] + pts, pts):
-        if a1 >= target:
-            best = r1
-            continue
-        if a0 >= target and a0 != a1:
-            best = r0 + (r1 - r0) * (a0 - target) / (a0 - a1)
-        break
-    return best
 
 
 # ----------------------------------------------------------------------------- main
@@ -350,40 +435,50 @@ def build_parser() -> argparse.ArgumentParser:
                                 "against isolated, colocated-naive and serve-only deployments.")
     p.add_argument("--config", default="configs/bench-quick.yaml")
     p.add_argument("--out", help="override `out`")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier benchmark's results in `out`")
     return p
+
+
+def interrupt_on_signal(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
+    from collm.common.config import load_config
     from collm.lab.bench_report import write_report
 
     args = build_parser().parse_args(argv)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, interrupt_on_signal)  # SIGTERM stops the mode's processes, like ^C
     cfg = load_config(BenchConfig, args.config, {"out": args.out} if args.out else None)
-    out = Path(cfg.out).resolve()
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out = prepare_out(Path(cfg.out), args.overwrite)
+    work = Workload(cfg)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     t0 = time.time()
-    print(f"collm-bench: model {cfg.model}, {cfg.replicas} replicas, modes {', '.join(cfg.modes)}; "
-          f"writing to {out}", flush=True)
+    modes = ["serve-only"] + [m for m in cfg.modes if m != "serve-only"]  # serve-only first: it sets the capacity
+    print(f"collm-bench: model {cfg.model}, {cfg.replicas} replicas, modes {', '.join(modes)}, load points "
+          f"{cfg.load.fractions} x capacity; writing to {out}", flush=True)
     judge = QualityJudge(cfg)
     base_loss = judge.loss(None)
-    results = {"config": cfg.model_dump(mode="json"), "base_loss": base_loss, "modes": {}}
-    with tqdm(total=len(cfg.modes) * (1 + len(cfg.sweep.factors)), desc="collm-bench", unit="window",
-              file=sys.stdout, dynamic_ncols=True) as bar:
-        for mode in cfg.modes:
-            bar.set_postfix_str(mode)
-            results["modes"][mode] = run_mode(cfg, mode, out / mode, judge, base_loss, bar)
-            w = results["modes"][mode]["window"]
-            tqdm.write(f"  {mode}: goodput {w['goodput_rps']:.3f} req/s, attainment {w['slo_attainment']:.3f}, "
-                       f"rounds {results['modes'][mode]['rounds_completed']}, "
-                       f"served loss {results['modes'][mode]['final_loss']:.4f}")
-            (out / "results.partial.json").write_text(json.dumps(results, indent=2))  # kept if a later mode fails
+    results: dict = {"config": cfg.model_dump(mode="json"), "base_loss": base_loss, "modes": {}}
+    plans = None
+    with tqdm(total=len(modes) * len(cfg.load.fractions), desc="collm-bench", unit="point", file=sys.stdout,
+              dynamic_ncols=True) as bar:
+        for mode in modes:
+            r = run_mode(cfg, mode, out / mode, work, plans, judge, base_loss, bar)
+            plans = r.pop("plans")
+            if mode == "serve-only":
+                results["capacity"] = r.pop("capacity")
+                if "serve-only" not in cfg.modes:
+                    continue
+            results["modes"][mode] = r
+            bar.write(f"  {mode}: max rate at >= {cfg.capacity.target_attainment:.0%} attainment "
+                      f"{r['max_rate']:.3f} req/s, rounds {r['rounds_completed']}, served loss "
+                      f"{r['served_loss'][0]['loss']:.4f} -> {r['final_loss']:.4f}")
+            (out / "results.partial.json").write_text(json.dumps(results, indent=1))  # kept if a later mode fails
     results["wall_s"] = round(time.time() - t0, 1)
     paths = write_report(results, out)
     print(f"collm-bench: done in {results['wall_s']:.0f} s; report {paths['markdown']}", flush=True)

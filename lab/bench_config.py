@@ -1,4 +1,4 @@
-"""Configuration of `collm-bench` (configs/bench.yaml, configs/bench-quick.yaml)."""
+"""Configuration of `collm-bench` (configs/bench.yaml, configs/bench-load.yaml, configs/bench-quick.yaml)."""
 
 from __future__ import annotations
 
@@ -12,27 +12,43 @@ MODES = ("collm", "isolated", "colocated-naive", "serve-only")
 
 
 class TraceConfig(Strict):
-    """Which trace to replay and how it is scaled to this hardware (the report states these knobs)."""
+    """Which trace to replay and how its requests are sized for this hardware (the report states these)."""
 
     path: str | None = Field(None, description="Azure-format CSV; default: the shipped conv trace")
     start_s: float = Field(0.0, ge=0, description="skip this much of the trace")
-    speed: float = Field(1.0, gt=0, description="divide inter-arrival times by this (2 = twice the rate)")
     token_scale: float = Field(0.05, gt=0, description="multiply the trace's token counts by this")
     max_prompt_tokens: int = Field(256, ge=8)
     max_output_tokens: int = Field(32, ge=1)
     min_output_tokens: int = Field(4, ge=1)
 
 
-class SweepConfig(Strict):
-    """The rate sweep: the main window's rate times each factor, `seconds` each, same processes."""
+class CapacityConfig(Strict):
+    """Serve-only's capacity: its highest request rate at >= `target_attainment`, measured first in the
+    same run; every load point is a fraction of it."""
 
-    factors: list[float] = Field(default_factory=lambda: [0.5, 1.0, 2.0, 3.0], min_length=1)
-    seconds: float = Field(30.0, gt=0)
+    rate: float | None = Field(None, gt=0, description="use this capacity (req/s) instead of measuring it")
+    start_rate: float = Field(1.0, gt=0, description="first probe rate (req/s)")
+    growth: float = Field(1.5, gt=1, description="each probe multiplies the rate by this until attainment drops")
+    refine: int = Field(2, ge=0, description="bisection probes between the last rate that passed and the first "
+                                             "that failed")
+    probe_s: float = Field(60.0, gt=0, description="seconds of arrivals per probe")
+    min_requests: int = Field(40, ge=1, description="at least this many requests per probe")
+    max_probes: int = Field(8, ge=1)
     target_attainment: float = Field(0.9, gt=0, le=1)
 
 
+class LoadConfig(Strict):
+    """The load points every mode replays: the same arrivals at each point for every mode."""
+
+    fractions: list[float] = Field(default_factory=lambda: [0.2, 0.5, 0.8, 1.0, 1.2], min_length=1,
+                                   description="offered load as fractions of serve-only's capacity")
+    seconds: float = Field(120.0, gt=0, description="seconds of arrivals per point ...")
+    min_requests: int = Field(40, ge=1, description="... or more, until the point has this many requests")
+    drain_s: float = Field(5.0, ge=0, description="pause between points (queues empty, training resumes)")
+
+
 class FederationBudget(Strict):
-    rounds: int = Field(100, ge=1, description="upper bound; rounds run back to back during the replay")
+    rounds: int = Field(100, ge=1, description="upper bound; rounds run back to back while the points replay")
     round_deadline_s: float = Field(20.0, gt=0)
     round_token_budget: int = Field(8000, ge=1)
     lr: float = Field(5e-4, gt=0)
@@ -48,18 +64,24 @@ class BenchConfig(Strict):
                                                "each is pinned to its own share of the cores")
     modes: list[Literal["collm", "isolated", "colocated-naive", "serve-only"]] = Field(
         default_factory=lambda: list(MODES), min_length=1)
-    window_s: float = Field(120.0, gt=0, description="replay window per mode (goodput, quality over time)")
-    warmup_s: float = Field(5.0, ge=0, description="run the topology this long before the window starts")
-    ttft_ms: float = Field(1000.0, gt=0)
-    tpot_ms: float = Field(100.0, gt=0)
+    warmup_s: float = Field(5.0, ge=0, description="run each topology this long before its first point")
+    ttft_ms: float = Field(1000.0, gt=0, allow_inf_nan=False)
+    tpot_ms: float = Field(100.0, gt=0, allow_inf_nan=False)
+    busy_share: float = Field(0.0, ge=0, le=1, description="collm edges' training.busy_share")
+    edge: dict = Field(default_factory=dict, description="merged into every edge's config (and the quality "
+                       "judge's model), e.g. {model: {tiny: {hidden_size: 256}}} or {engine: {max_running: 8}}")
     trace: TraceConfig = TraceConfig()
-    sweep: SweepConfig = SweepConfig()
+    capacity: CapacityConfig = CapacityConfig()
+    load: LoadConfig = LoadConfig()
     federation: FederationBudget = FederationBudget()
     eval_records: int = Field(16, ge=1, description="holdout records per served-quality evaluation")
+    bootstrap: int = Field(2000, ge=100, description="bootstrap resamples for every confidence interval")
     out: str = "runs/bench"
 
     @model_validator(mode="after")
     def _check(self) -> BenchConfig:
         if "isolated" in self.modes and self.replicas % 2:
             raise ValueError("replicas must be even when 'isolated' is a mode (half serve, half train)")
+        if self.trace.min_output_tokens > self.trace.max_output_tokens:
+            raise ValueError("trace.min_output_tokens must not exceed trace.max_output_tokens")
         return self

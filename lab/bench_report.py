@@ -1,4 +1,9 @@
-"""The benchmark's outputs: results.json, report.md and three PNG plots (matplotlib, no display)."""
+"""collm-bench's outputs: results.json, report.md and four PNG plots (matplotlib, no display).
+
+Ratios between modes are computed at each load point on the same requests (paired bootstrap over
+request indices: request i is the same arrival in both modes), so their intervals are honest even
+with tens of requests a point.
+"""
 
 from __future__ import annotations
 
@@ -6,26 +11,44 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
+from collm.common.stats import ratio_ci
+
+RATIOS = (("collm", "isolated"), ("collm", "colocated-naive"), ("collm", "serve-only"))
+COLORS = {"collm": "#2b7bba", "isolated": "#d95f02", "colocated-naive": "#7570b3", "serve-only": "#66a61e"}
+
 
 def _fmt(v, nd=3) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or not b:
-        return None
-    return a / b
+def _ci(lo, hi, nd=2) -> str:
+    return "" if lo is None or hi is None else f" [{lo:.{nd}f}, {hi:.{nd}f}]"
+
+
+def point_ratios(results: dict, resamples: int) -> dict[str, list[dict]]:
+    """Goodput and training-throughput ratios of collm to every other mode, per load point."""
+    modes = results["modes"]
+    out: dict[str, list[dict]] = {}
+    for a, b in RATIOS:
+        if a not in modes or b not in modes:
+            continue
+        rows = []
+        for pa, pb in zip(modes[a]["points"], modes[b]["points"]):
+            r, lo, hi = ratio_ci(pa["slo_met"], pb["slo_met"], resamples=resamples)
+            train = (pa["train_tokens_per_s"] / pb["train_tokens_per_s"]) if pb["train_tokens_per_s"] > 0 else None
+            rows.append({"fraction": pa["fraction"], "rate": pa["rate"], "goodput_ratio": r, "ci": [lo, hi],
+                         "train_ratio": train})
+        out[f"{a}/{b}"] = rows
+    return out
 
 
 def write_report(results: dict, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "markdown": out / "report.md", "goodput_png": out / "goodput.png",
-             "sweep_png": out / "attainment_vs_rate.png", "loss_png": out / "served_loss.png"}
-    modes = results["modes"]
-    results["ratios"] = {
-        f"collm/{m}": ratio(modes["collm"]["window"]["goodput_rps"], modes[m]["window"]["goodput_rps"])
-        for m in modes if "collm" in modes and m != "collm"}
-    paths["json"].write_text(json.dumps(results, indent=2, default=str))
+             "attainment_png": out / "attainment_vs_load.png", "training_png": out / "training_vs_load.png",
+             "loss_png": out / "served_loss.png"}
+    results["ratios"] = point_ratios(results, results["config"]["bootstrap"])
+    paths["json"].write_text(json.dumps(results, indent=1, default=str))
     _plots(results, paths)
     paths["markdown"].write_text(_markdown(results, paths))
     return paths
@@ -51,66 +74,106 @@ def _figure(path, title: str):
 
 def _plots(results: dict, paths: dict) -> None:
     modes = results["modes"]
-    names = list(modes)
-    with _figure(paths["goodput_png"], "Goodput per deployment, same replicas and trace") as ax:
-        vals = [modes[m]["window"]["goodput_rps"] or 0.0 for m in names]
-        bars = ax.bar(names, vals, color=["#2b7bba" if m == "collm" else "#9aa5b1" for m in names])
-        ax.bar_label(bars, fmt="%.2f")
-        ax.set_ylabel("goodput (req/s meeting every SLO)")
+    cap = results["capacity"]["rate"]
 
-    with _figure(paths["sweep_png"], "SLO attainment against request rate") as ax:
-        for m in names:
-            pts = sorted((p["rate"], p["slo_attainment"] or 0.0) for p in modes[m]["sweep"])
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
-        ax.axhline(results["config"]["sweep"]["target_attainment"], color="grey", linestyle="--", linewidth=1)
-        ax.set_xlabel("request rate (req/s)")
+    def x(p) -> float:
+        return p["rate"] / cap
+
+    with _figure(paths["goodput_png"], "Goodput against offered load (95% CI)") as ax:
+        for m, r in modes.items():
+            pts = r["points"]
+            ax.plot([x(p) for p in pts], [p["goodput_rps"] for p in pts], marker="o", label=m, color=COLORS.get(m))
+            ax.fill_between([x(p) for p in pts], [p["goodput_ci"][0] for p in pts], [p["goodput_ci"][1] for p in pts],
+                            alpha=0.2, color=COLORS.get(m))
+        ax.set_xlabel("offered load (x serve-only capacity)")
+        ax.set_ylabel("goodput (req/s meeting every SLO)")
+        ax.legend()
+
+    with _figure(paths["attainment_png"], "SLO attainment against offered load (95% CI)") as ax:
+        for m, r in modes.items():
+            pts = r["points"]
+            ax.errorbar([x(p) for p in pts], [p["slo_attainment"] for p in pts], marker="o", label=m,
+                        color=COLORS.get(m), capsize=3,
+                        yerr=[[p["slo_attainment"] - p["attainment_ci"][0] for p in pts],
+                              [p["attainment_ci"][1] - p["slo_attainment"] for p in pts]])
+        ax.axhline(results["capacity"]["target_attainment"], color="grey", linestyle="--", linewidth=1)
+        ax.set_xlabel("offered load (x serve-only capacity)")
         ax.set_ylabel("SLO attainment")
         ax.set_ylim(0, 1.05)
         ax.legend()
 
+    with _figure(paths["training_png"], "Training throughput against offered load") as ax:
+        for m, r in modes.items():
+            if m == "serve-only":
+                continue
+            pts = r["points"]
+            ax.plot([x(p) for p in pts], [p["train_tokens_per_s"] for p in pts], marker="o", label=m,
+                    color=COLORS.get(m))
+        ax.set_xlabel("offered load (x serve-only capacity)")
+        ax.set_ylabel("training tokens/s (all replicas)")
+        ax.legend()
+
     with _figure(paths["loss_png"], "Quality of the served model over time") as ax:
-        for m in names:
-            pts = modes[m]["served_loss"]
-            end = modes[m].get("wall_s") or max(p["t"] for p in pts)
+        for m, r in modes.items():
+            pts = r["served_loss"]
+            end = r.get("wall_s") or max(p["t"] for p in pts)
             xs = [max(p["t"], 0.0) for p in pts] + [end]
             ys = [p["loss"] for p in pts] + [pts[-1]["loss"]]
-            ax.step(xs, ys, where="post", label=m)
-        ax.set_xlabel("seconds after the window started")
+            ax.step(xs, ys, where="post", label=m, color=COLORS.get(m))
+        ax.set_xlabel("seconds after the first load point started")
         ax.set_ylabel("served adapter: held-out loss")
         ax.legend()
 
 
 def _markdown(results: dict, paths: dict) -> str:
-    cfg, modes = results["config"], results["modes"]
+    cfg, modes, cap = results["config"], results["modes"], results["capacity"]
     t = cfg["trace"]
     lines = [
         "# collm-bench report", "",
-        f"Model `{cfg['model']}`, {cfg['replicas']} replicas on one machine, every mode on the same replicas, "
-        f"trace and SLOs (TTFT ≤ {cfg['ttft_ms']:g} ms, TPOT ≤ {cfg['tpot_ms']:g} ms). Wall time {results['wall_s']:.0f} s.",
-        "",
-        f"Trace: {t['path'] or 'shipped Azure LLM conv trace (CC BY 4.0)'}, from {t['start_s']:g} s, speed ×{t['speed']:g}, "
-        f"token counts ×{t['token_scale']:g} clipped to prompt ≤ {t['max_prompt_tokens']} and output "
-        f"{t['min_output_tokens']}–{t['max_output_tokens']} tokens; window {cfg['window_s']:g} s per mode; "
-        f"sweep factors {cfg['sweep']['factors']} × {cfg['sweep']['seconds']:g} s.", "",
-        "| mode | goodput (req/s) | SLO attainment | TTFT p50/p90/p99 (s) | TPOT p50/p90/p99 (s) | E2E p99 (s) | "
-        "max rate ≥ {:.0%} (req/s) | training tokens | rounds | served loss (start → end) |".format(
-            cfg["sweep"]["target_attainment"]),
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"Model `{cfg['model']}`, {cfg['replicas']} replicas on one machine (each pinned to its own cores), every "
+        f"mode on the same replicas, arrivals and SLOs (TTFT ≤ {cfg['ttft_ms']:g} ms, TPOT ≤ {cfg['tpot_ms']:g} ms). "
+        f"Wall time {results['wall_s']:.0f} s.", "",
+        f"Trace: {t['path'] or 'shipped Azure LLM conv trace (CC BY 4.0)'} from {t['start_s']:g} s, token counts "
+        f"×{t['token_scale']:g} clipped to prompt ≤ {t['max_prompt_tokens']} and output "
+        f"{t['min_output_tokens']}–{t['max_output_tokens']} tokens; each load point is a fresh segment of the trace "
+        f"with its arrival times scaled to the point's mean rate (bursts kept). Intervals are 95% bootstrap "
+        f"({cfg['bootstrap']} resamples); ratios use a paired bootstrap over the same requests.", "",
+        f"**Serve-only capacity: {cap['rate']:.3f} req/s** at ≥ {cap['target_attainment']:.0%} attainment "
+        f"({cap['note']}).", "",
     ]
+    if cap.get("probes"):
+        lines += ["| probe | rate (req/s) | requests | attainment |", "|---|---|---|---|"]
+        lines += [f"| {p['probe']} | {p['rate']:.3f} | {p['requests']} | {_fmt(p['slo_attainment'])}"
+                  f"{_ci(*p['attainment_ci'])} |" for p in cap["probes"]]
+        lines.append("")
+    lines += ["## Every load point", "",
+              "| load | mode | rate (req/s) | requests | attainment | goodput (req/s) | TTFT p50/p90 (s) | "
+              "TPOT p50/p90 (s) | training tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+    fractions = [p["fraction"] for p in next(iter(modes.values()))["points"]] if modes else []
+    for i, f in enumerate(fractions):
+        for m, r in modes.items():
+            p = r["points"][i]
+            lines.append(
+                f"| {f:g}× | {m} | {p['rate']:.3f} | {p['requests']} | {_fmt(p['slo_attainment'])}"
+                f"{_ci(*p['attainment_ci'])} | {_fmt(p['goodput_rps'])}{_ci(*p['goodput_ci'], nd=3)} | "
+                f"{_fmt(p['ttft_p50'], 2)}/{_fmt(p['ttft_p90'], 2)} | {_fmt(p['tpot_p50'], 3)}/{_fmt(p['tpot_p90'], 3)} "
+                f"| {p['train_tokens_per_s']:.0f} |")
+    lines += ["", "## Goodput ratios (same requests, paired 95% CI)", "",
+              "| load | " + " | ".join(results["ratios"]) + " |", "|---|" + "---|" * len(results["ratios"])]
+    for i, f in enumerate(fractions):
+        cells = []
+        for rows in results["ratios"].values():
+            row = rows[i]
+            cells.append(f"{_fmt(row['goodput_ratio'], 2)}{_ci(*row['ci'])}")
+        lines.append(f"| {f:g}× | " + " | ".join(cells) + " |")
+    if "collm/isolated" in results["ratios"]:
+        lines += ["", "Training throughput collm/isolated per point: " + ", ".join(
+            f"{row['fraction']:g}× {_fmt(row['train_ratio'], 2)}" for row in results["ratios"]["collm/isolated"])]
+    lines += ["", "## Per mode", "", f"| mode | max rate ≥ {cap['target_attainment']:.0%} (req/s) | × capacity | "
+              "rounds | served loss start → end | startup (s) |", "|---|---|---|---|---|---|"]
     for m, r in modes.items():
-        w = r["window"]
-        lines.append(
-            f"| {m} | {_fmt(w['goodput_rps'])} | {_fmt(w['slo_attainment'])} | "
-            f"{_fmt(w['ttft_p50'], 2)}/{_fmt(w['ttft_p90'], 2)}/{_fmt(w['ttft_p99'], 2)} | "
-            f"{_fmt(w['tpot_p50'], 3)}/{_fmt(w['tpot_p90'], 3)}/{_fmt(w['tpot_p99'], 3)} | {_fmt(w['e2e_p99'], 2)} | "
-            f"{_fmt(r['max_rate'], 2)} | {r['train']['tokens']:.0f} | {r['rounds_completed']} | "
-            f"{r['served_loss'][0]['loss']:.4f} → {r['final_loss']:.4f} |")
-    lines += ["", "Goodput ratios (same run): " + ", ".join(
-        f"{k} = {_fmt(v, 2)}" for k, v in results["ratios"].items()), ""]
-    lines += [f"![goodput]({paths['goodput_png'].name})", f"![attainment vs rate]({paths['sweep_png'].name})",
-              f"![served loss]({paths['loss_png'].name})", ""]
-    lines += ["## Rate sweep", "", "| mode | rate (req/s) | attainment | goodput (req/s) |", "|---|---|---|---|"]
-    for m, r in modes.items():
-        for p in r["sweep"]:
-            lines.append(f"| {m} | {p['rate']:.2f} | {_fmt(p['slo_attainment'])} | {_fmt(p['goodput_rps'])} |")
+        lines.append(f"| {m} | {r['max_rate']:.3f} | {r['max_rate'] / cap['rate']:.2f} | {r['rounds_completed']} | "
+                     f"{r['served_loss'][0]['loss']:.4f} → {r['final_loss']:.4f} | {r['startup_s']} |")
+    lines += ["", f"![goodput]({paths['goodput_png'].name})", f"![attainment]({paths['attainment_png'].name})",
+              f"![training]({paths['training_png'].name})", f"![served loss]({paths['loss_png'].name})", ""]
     return "\n".join(lines) + "\n"

@@ -9,6 +9,9 @@ itself measures time to first token (first content chunk) and time per output to
 A request meets its SLO iff it completed (HTTP 200, finished normally), TTFT <= ttft_slo and
 TPOT <= tpot_slo. Goodput = SLO-meeting requests / duration of the arrival window; failed or
 rejected requests count as missing the SLO.
+
+`replay` sends a fixed plan (benchmarks); `BackgroundLoad` sends Poisson arrivals from its own
+thread until stopped (collm-lab's load during the rounds). Both send each request the same way.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import httpx
 
@@ -34,6 +38,7 @@ class Planned:
     ttft_slo_s: float = 1.0
     tpot_slo_s: float = 0.2
     tag: str = ""
+    stream: bool = True  # False: one JSON answer (a router can retry it on another edge until it is complete)
 
 
 @dataclass
@@ -50,7 +55,6 @@ class Outcome:
     edge: str | None = None
     ttft_slo_s: float = 1.0
     tpot_slo_s: float = 0.2
-    extra: dict = field(default_factory=dict)
 
     @property
     def completed(self) -> bool:
@@ -60,16 +64,20 @@ class Outcome:
     def slo_met(self) -> bool:
         return meets_slo(self.completed, self.ttft_s, self.tpot_s, self.ttft_slo_s, self.tpot_slo_s)
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "slo_met": self.slo_met}
+
+def poisson_arrivals(rate: float, seed: int = 0) -> Iterator[float]:
+    """Arrival times (seconds from 0) of a Poisson process of `rate` per second, without end."""
+    rng, t = random.Random(seed), 0.0
+    while True:
+        t += rng.expovariate(rate)
+        yield t
 
 
 def poisson_schedule(rate: float, duration_s: float, make_body: Callable[[int], dict], seed: int = 0,
                      **kw) -> list[Planned]:
     """Arrivals of a Poisson process of `rate` per second over `duration_s`."""
-    rng, t, out = random.Random(seed), 0.0, []
-    while True:
-        t += rng.expovariate(rate)
+    out = []
+    for t in poisson_arrivals(rate, seed):
         if t > duration_s:
             return out
         out.append(Planned(t, make_body(len(out)), **kw))
@@ -78,6 +86,8 @@ def poisson_schedule(rate: float, duration_s: float, make_body: Callable[[int], 
 async def _one(client: httpx.AsyncClient, url: str, p: Planned, t0: float) -> Outcome:
     now = time.perf_counter()
     await asyncio.sleep(max(0.0, t0 + p.at_s - now))
+    if not p.stream:
+        return await _one_json(client, url, p, t0)
     sent = time.perf_counter()
     out = Outcome(p.tag, sent - t0, "error", ttft_slo_s=p.ttft_slo_s, tpot_slo_s=p.tpot_slo_s)
     body = {**p.body, "stream": True, "stream_options": {"include_usage": True}}
@@ -116,18 +126,85 @@ async def _one(client: httpx.AsyncClient, url: str, p: Planned, t0: float) -> Ou
     return out
 
 
-async def run_open_loop(plan: list[Planned], url: str | Callable[[int], str], timeout_s: float = 300.0) -> list[Outcome]:
-    """Send every planned request at its time to `url` (or `url(i)`); wait for all of them."""
+async def _one_json(client: httpx.AsyncClient, url: str, p: Planned, t0: float) -> Outcome:
+    """A non-streaming request: E2E measured here, TTFT and TPOT as the edge measured them."""
+    sent = time.perf_counter()
+    out = Outcome(p.tag, sent - t0, "error", ttft_slo_s=p.ttft_slo_s, tpot_slo_s=p.tpot_slo_s)
+    try:
+        r = await client.post(url + p.path, json={**p.body, "stream": False})
+    except httpx.HTTPError as e:
+        out.status = type(e).__name__
+        return out
+    out.status, out.e2e_s, out.edge = r.status_code, time.perf_counter() - sent, r.headers.get("X-CoLLM-Edge")
+    v = r.headers.get("X-CoLLM-Adapter-Version")
+    out.adapter_version = int(v) if v is not None else None
+    if r.status_code == 200:
+        try:
+            body = r.json()
+            out.finish_reason = body["choices"][0]["finish_reason"]
+            out.output_tokens = body["usage"]["completion_tokens"]
+            out.ttft_s, out.tpot_s = body["collm"]["ttft_s"], body["collm"]["tpot_s"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            out.status = "bad-body"
+    return out
+
+
+def _client(timeout_s: float) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits) as client:
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
+
+
+async def run_open_loop(plan: list[Planned], url: str, timeout_s: float = 300.0) -> list[Outcome]:
+    """Send every planned request at its time to `url`; wait for all of them."""
+    async with _client(timeout_s) as client:
         t0 = time.perf_counter()
-        tasks = [asyncio.create_task(_one(client, url(i) if callable(url) else url, p, t0))
-                 for i, p in enumerate(plan)]
-        return list(await asyncio.gather(*tasks))
+        return list(await asyncio.gather(*(_one(client, url, p, t0) for p in plan)))
 
 
-def replay(plan: list[Planned], url: str | Callable[[int], str], timeout_s: float = 300.0) -> list[Outcome]:
+def replay(plan: list[Planned], url: str, timeout_s: float = 300.0) -> list[Outcome]:
     return asyncio.run(run_open_loop(plan, url, timeout_s))
+
+
+class BackgroundLoad:
+    """Open-loop Poisson requests at `rate` per second to `url`, from a thread of its own, until `stop()`.
+
+    `make(i)` gives the i-th request (a Planned whose `at_s` is ignored: the arrivals are Poisson)."""
+
+    def __init__(self, url: str, rate: float, make: Callable[[int], Planned], seed: int = 0,
+                 timeout_s: float = 300.0):
+        self.url, self.rate, self.make, self.seed, self.timeout_s = url, rate, make, seed, timeout_s
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="collm-load", daemon=True)
+
+    def start(self) -> BackgroundLoad:
+        self._thread.start()
+        return self
+
+    def stop(self, drain_s: float = 60.0) -> list[Outcome]:
+        """Send nothing more; wait up to `drain_s` for the requests in flight; return every outcome."""
+        self._stop.set()
+        self._thread.join(drain_s)
+        return list(self.outcomes)
+
+    async def _run(self) -> None:
+        async with _client(self.timeout_s) as client:
+            t0 = time.perf_counter()
+            tasks = []
+            for i, at in enumerate(poisson_arrivals(self.rate, self.seed)):
+                while time.perf_counter() - t0 < at:
+                    if self._stop.is_set():
+                        break
+                    await asyncio.sleep(min(0.1, max(0.0, at - (time.perf_counter() - t0))))
+                if self._stop.is_set():
+                    break
+                p = self.make(i)
+                p = Planned(at, p.body, p.path, p.ttft_slo_s, p.tpot_slo_s, p.tag, p.stream)
+                task = asyncio.create_task(_one(client, self.url, p, t0))
+                task.add_done_callback(lambda t: self.outcomes.append(t.result()))
+                tasks.append(task)
+            if tasks:
+                await asyncio.gather(*tasks)
 
 
 def summarize(outcomes: list[Outcome], window_s: float) -> dict:

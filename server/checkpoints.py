@@ -6,7 +6,8 @@
     <checkpoint_dir>/round-0003/metrics.json                that round's decisions and metrics
 
 metrics.json is written last (temp file + rename): a round directory without it is incomplete
-and ignored.
+and ignored. The layout itself (and status.json, where the run is now) lives in `collm.common.rounds`,
+since edges and tools read it too.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,10 +25,9 @@ from safetensors.torch import load_file, save_file
 from collm.common.adapter_io import load_adapter, save_adapter
 from collm.common.config import LoraConfig
 from collm.common.errors import UserError
+from collm.common.rounds import METRICS_FILE, complete_rounds, json_safe, latest_complete_round, round_dir
 
-METRICS_FILE = "metrics.json"
 SERVER_STATE_FILE = "server-state.safetensors"
-_ROUND_DIR = re.compile(r"^round-(\d{4,})$")
 
 
 @dataclass
@@ -38,42 +37,6 @@ class RoundCheckpoint:
     metrics: dict
     adapter_config: dict
     server_state: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # e.g. {"m_t": {...}}
-
-
-def round_dir(directory: str | Path, r: int) -> Path:
-    return Path(directory) / f"round-{r:04d}"
-
-
-def complete_rounds(directory: str | Path) -> list[int]:
-    """Round numbers whose directory has metrics.json, ascending."""
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    rounds = []
-    for p in d.iterdir():
-        m = _ROUND_DIR.match(p.name)
-        if m and p.is_dir() and (p / METRICS_FILE).is_file():
-            rounds.append(int(m.group(1)))
-    return sorted(rounds)
-
-
-def latest_complete_round(directory: str | Path) -> int:
-    """The last complete round under `directory`, or 0 if there is none."""
-    rounds = complete_rounds(directory)
-    return rounds[-1] if rounds else 0
-
-
-def _json_safe(x):
-    """NaN/inf become null (strict JSON); numpy scalars become Python numbers."""
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    if isinstance(x, np.generic):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 def write_round(directory: str | Path, r: int, arrays: dict[str, np.ndarray], metrics: dict,
@@ -92,7 +55,7 @@ def write_round(directory: str | Path, r: int, arrays: dict[str, np.ndarray], me
         save_file(flat, str(tmp))
         os.replace(tmp, d / SERVER_STATE_FILE)
     tmp = d / f".{METRICS_FILE}.tmp"
-    tmp.write_text(json.dumps(_json_safe(metrics), indent=2, sort_keys=False))
+    tmp.write_text(json.dumps(json_safe(metrics), indent=2, sort_keys=False))
     os.replace(tmp, d / METRICS_FILE)
     return d
 

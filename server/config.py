@@ -54,7 +54,9 @@ class ServerConfig(Strict):
     strategy: Literal["fedavg", "fedprox", "fedadam"] = "fedavg"
     proximal_mu: float = Field(0.01, ge=0, description="FedProx proximal term weight")
     fedadam: FedAdamConfig = FedAdamConfig()
-    min_nodes: int = Field(2, ge=1, description="wait for this many edges before a round starts")
+    min_nodes: int = Field(2, ge=1, description="wait for this many edges before the first round starts")
+    min_round_nodes: int | None = Field(None, ge=1, description="every later round needs only this many (an edge "
+                                        "that died or left is skipped); default: min_nodes")
     lora: LoraConfig = LoraConfig()
     base_model_name: str = Field("collm-tiny", min_length=1,
                                  description="base_model_name_or_path written to adapter_config.json")
@@ -64,8 +66,14 @@ class ServerConfig(Strict):
     round_timeout_s: float = Field(600.0, gt=0, description="how long to wait for TRAIN/EVALUATE replies")
     query_timeout_s: float = Field(60.0, gt=0, description="how long to wait for load reports")
 
+    @property
+    def nodes_after_first_round(self) -> int:
+        return self.min_nodes if self.min_round_nodes is None else self.min_round_nodes
+
     @model_validator(mode="after")
     def _timeout_covers_deadline(self) -> ServerConfig:
+        if self.min_round_nodes is not None and self.min_round_nodes > self.min_nodes:
+            raise ValueError(f"min_round_nodes ({self.min_round_nodes}) must not exceed min_nodes ({self.min_nodes})")
         if self.round_timeout_s <= self.balancer.round_deadline_s:
             raise ValueError(
                 f"round_timeout_s ({self.round_timeout_s:g}) must be larger than "

@@ -34,6 +34,7 @@ from collm.common import protocol as P
 
 from collm.common.protocol import LoadReport
 from collm.server.balancer import BALANCERS, BalancerParams, Decision
+from collm.common.rounds import write_status
 from collm.server.checkpoints import write_round
 from collm.server.config import ServerConfig
 from collm.server.replies import edge_name
@@ -109,6 +110,7 @@ class CollmRounds:
         rec["global_keys"] = len(arrays)
         d = write_round(self.server_cfg.checkpoint_dir, r, {k: v.numpy() for k, v in arrays.items()}, rec,
                         self.server_cfg.lora, self.server_cfg.base_model_name, self.server_state())
+        write_status(self.server_cfg.checkpoint_dir, {"round": r, "phase": "complete", "at": time.time()})
         log(INFO, "round %d complete in %.1f s: checkpoint %s", r, rec["wall_s"], d)
 
     def server_state(self) -> dict[str, dict[str, np.ndarray]]:
@@ -135,6 +137,9 @@ class CollmRounds:
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         r = self.real_round(server_round)
+        if server_round > 1:  # after the first round, continue with the edges that remain
+            n = self.server_cfg.nodes_after_first_round
+            self.min_available_nodes = self.min_train_nodes = self.min_evaluate_nodes = n
         if r - 1 in self.history and not self.history[r - 1]["kept"]:
             # the last round changed nothing (every edge busy): give the edges a while before asking again
             time.sleep(self.server_cfg.balancer.idle_wait_s)
@@ -166,6 +171,9 @@ class CollmRounds:
                                     P.DEADLINE_S: d.deadline_s, P.LR: self.server_cfg.balancer.lr})
                 content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg})
                 messages.append(Message(content, dst_node_id=nid, message_type=MessageType.TRAIN))
+        write_status(self.server_cfg.checkpoint_dir, {
+            "round": r, "phase": "train", "at": time.time(),
+            "training": [d["edge"] for d in rec["balancer"] if d["take_part"]]})
         if not messages:
             rec["training_skipped"] = "no edge takes part (see balancer reasons)"
             log(WARNING, "round %d: no edge takes part, so no training this round; the global adapter "

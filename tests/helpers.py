@@ -11,6 +11,7 @@ from collm.edge_client.training.data import load_edge_data
 from collm.edge_client.model.loading import load_model
 from collm.edge_client.engine import Engine
 from collm.edge_client.model.lora import TrainableAdapter
+from collm.lab.topology import free_port
 
 TINY = {
     "name": "t",
@@ -91,9 +92,3 @@ class LiveEdge:
             self.runtime.engine.stop()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -14,7 +14,7 @@ from collm.edge_client.engine.requests import FinishEvent, TokenEvent
 from collm.edge_client.model.lora import TrainingBinding, bind
 from collm.edge_client.model.sampling import SamplingParams
 from collm.edge_client.training.jobs import TrainBudget
-from collm.edge_client.training.layerwise import LayerwisePass
+from collm.edge_client.training.layerwise import HEAD_CHUNK_TOKENS, LayerwisePass
 from collm.edge_client.training.trainer import collate
 
 def decoding(now):
@@ -179,7 +179,8 @@ def test_an_arrival_waits_one_unit_and_the_micro_batch_resumes_not_recomputes():
     eng.start()
     n = len(eng.parts.layers)
     first_two = eng.trainer.stream.peek(2)  # the micro-batches the job will run, in order
-    want_units = sum(2 * n + -(-sum(1 for lab in e.labels[1:] if lab != -100) // 128) for e in first_two)
+    want_units = sum(2 * n + -(-sum(1 for lab in e.labels[1:] if lab != -100) // HEAD_CHUNK_TOKENS)
+                     for e in first_two)
     try:
         job = eng.train(TrainBudget(steps=2, deadline_s=60))
         time.sleep(0.05)  # the first forward unit (0.1 s) is running now

@@ -38,6 +38,7 @@ from collm.common.procs import processes_mentioning
 from collm.lab.certs import make_certs
 from collm.server.config import load_server_config
 from collm.router.config import RouterConfig
+from collm.lab.topology import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -385,11 +386,6 @@ def test_dockerfile_installs_like_the_readme():
 
 
 # ---------------------------------------------------------------------------- the services, run natively
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class NativeCompose:
     """A compose project's services as local processes: the same commands, configs and health checks.
@@ -405,7 +401,7 @@ class NativeCompose:
         self.root, self.app = root, root / "app"
         self.procs: dict[str, subprocess.Popen] = {}
         (root / "logs").mkdir(parents=True)
-        self.ports = {p: _free_port() for p in (8000, 8090, *range(8081, 8084), *range(9094, 9097))}
+        self.ports = {p: free_port() for p in (8000, 8090, *range(8081, 8084), *range(9094, 9097))}
         self.hosts = {"superlink": 8000, "router": 8090, **{e: 8080 + i for i, e in enumerate(EDGES, 1)}}
         (self.app / "configs").mkdir(parents=True)
         shutil.copy(ROOT / "pyproject.toml", self.app)

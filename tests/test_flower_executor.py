@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from flwr.common.constant import ErrorCode
 
 from collm.common.procs import end_stragglers, processes_mentioning
 from collm.edge_client.federation.executor import SuperNodeExecutor, format_node_config
+from collm.lab.topology import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TESTAPP = Path(__file__).with_name("flower_testapp")
@@ -65,7 +65,7 @@ def test_repo_flower_app_bundles_only_its_config():
 @pytest.mark.slow
 def test_a_supernode_that_dies_is_restarted_and_stop_ends_it():
     """No SuperLink needed: the SuperNode keeps retrying to connect and stays up."""
-    executor = SuperNodeExecutor(None, superlink=f"127.0.0.1:{_free_port()}", runtime_port=_free_port(),
+    executor = SuperNodeExecutor(None, superlink=f"127.0.0.1:{free_port()}", runtime_port=free_port(),
                                  node_config={"name": "lonely"})
     try:
         executor.start()
@@ -92,7 +92,7 @@ time.sleep(600)
 
 @pytest.mark.slow
 def test_the_supernode_ends_when_its_host_process_is_killed():
-    host = subprocess.Popen([sys.executable, "-c", _HOST, f"127.0.0.1:{_free_port()}", str(_free_port())],
+    host = subprocess.Popen([sys.executable, "-c", _HOST, f"127.0.0.1:{free_port()}", str(free_port())],
                             stdout=subprocess.PIPE, text=True)
     supernode = None
     try:
@@ -115,12 +115,6 @@ def _wait_for(condition, timeout: float):
             raise TimeoutError("condition not met in time")
         time.sleep(0.05)
     return value
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _load_testapp():
@@ -174,7 +168,7 @@ def federation(tmp_path_factory):
 
 def _run_federation(home: Path) -> SimpleNamespace:
     """SuperLink + two executors (child SuperNodes) + `collm-server` running the test app."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     env = dict(
         os.environ,
         FLWR_HOME=str(home),  # the ServerApp process installs the FAB there
@@ -195,7 +189,7 @@ def _run_federation(home: Path) -> SimpleNamespace:
         _wait_until_healthy(f"http://{address}/health", superlink, timeout=60)
         t_superlink = time.monotonic() - t0
         for i, name in enumerate(NODES):
-            executor = SuperNodeExecutor(app.client_app, superlink=address, runtime_port=_free_port(),
+            executor = SuperNodeExecutor(app.client_app, superlink=address, runtime_port=free_port(),
                                          node_config={"name": name, "partition-id": i}, poll_interval=0.1)
             executors.append(executor.start())
         t1 = time.monotonic()

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,17 +22,12 @@ import pytest
 
 from collm.common.procs import processes_mentioning
 from collm.lab.certs import make_certs
-from collm.lab.lab import edge_configs
+from collm.lab.lab import lab_edge_configs
+from collm.lab.topology import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 EDGES = ["edge0", "edge1"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for(lines: list[str], pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
@@ -50,14 +44,16 @@ def _wait_for(lines: list[str], pattern: str, proc: subprocess.Popen, timeout: f
 
 def test_tls_edge_configs_carry_the_ca_and_each_edge_its_own_key(tmp_path):
     certs = make_certs(tmp_path / "certs", EDGES)
-    plain = edge_configs("tiny", 2, "127.0.0.1:9", tmp_path, None)
-    tls = edge_configs("tiny", 2, "127.0.0.1:9", tmp_path, None, certs)
+    plain = lab_edge_configs("tiny", 2, "127.0.0.1:9", tmp_path)
+    tls = lab_edge_configs("tiny", 2, "127.0.0.1:9", tmp_path, None, certs)
     for cfg in plain:  # the default is unchanged: plain HTTP, no keys
-        assert set(cfg["federation"]) == {"enabled", "superlink", "runtime_port"}
+        f = cfg.federation
+        assert f.enabled and f.insecure and f.root_certificates is None and f.auth_private_key is None
     for cfg in tls:
-        assert cfg["federation"]["insecure"] is False
-        assert cfg["federation"]["root_certificates"] == str(certs["ca"])
-        assert cfg["federation"]["auth_private_key"] == str(certs[cfg["name"]])
+        assert cfg.federation.insecure is False
+        assert cfg.federation.root_certificates == str(certs["ca"])
+        assert cfg.federation.auth_private_key == str(certs[cfg.name])
+    assert {c.federation.bootstrap_from for c in plain} == {str(tmp_path / "checkpoints")}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +84,7 @@ def lab(tmp_path_factory):
             rogue = subprocess.Popen(
                 [str(BIN / "flower-supernode"), "--root-certificates", str(out / "certs" / "ca.crt"),
                  "--auth-supernode-private-key", str(rogue_key), "--superlink", superlink,
-                 "--isolation", "process", "--host", "127.0.0.1", "--port", str(_free_port()),
+                 "--isolation", "process", "--host", "127.0.0.1", "--port", str(free_port()),
                  "--node-config", 'name="rogue"'],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"})  # fmt: skip

@@ -220,6 +220,10 @@ def test_two_rounds_balancer_budgets_and_checkpoints(tmp_path):
 
     # a checkpoint per round; metrics.json carries the decisions and per-edge metrics
     assert latest_complete_round(cfg.checkpoint_dir) == 2
+    from collm.common.rounds import read_status
+
+    status = read_status(cfg.checkpoint_dir)
+    assert status["round"] == 2 and status["phase"] == "complete"
     ck1 = load_round(cfg.checkpoint_dir, 1)
     for k in KEYS:
         np.testing.assert_allclose(ck1.arrays[k], want1[k], rtol=1e-5, atol=1e-7)

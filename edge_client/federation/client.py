@@ -171,12 +171,38 @@ class EdgeFederation:
 
         cfg = self.rt.cfg
         f = cfg.federation
+        if f.bootstrap_from:
+            self.catch_up(f.bootstrap_from)
         self.executor = SuperNodeExecutor(
             self.edge.client_app(), superlink=f.superlink, runtime_port=f.runtime_port,
             node_config={"name": cfg.name, **f.node_config}, insecure=f.insecure,
-            root_certificates=f.root_certificates, auth_private_key=f.auth_private_key, name=cfg.name)
+            root_certificates=f.root_certificates, auth_private_key=f.auth_private_key, name=cfg.name,
+            nice=f.supernode_nice)
         self.executor.start()
         log.info("edge %s: taking part in federated rounds via SuperLink %s", cfg.name, f.superlink)
+
+    def catch_up(self, checkpoint_dir: str) -> int | None:
+        """Serve the latest complete round's global adapter from `checkpoint_dir` if it is newer than
+        what this edge serves (a restarted edge must not serve a stale version until its next round)."""
+        from collm.common.adapter_io import check_compatible, load_adapter
+        from collm.common.errors import UserError
+        from collm.common.rounds import latest_complete_round, round_dir
+
+        r = latest_complete_round(checkpoint_dir)
+        engine = self.rt.engine
+        if r <= engine.shadow.current_version:
+            return None
+        try:
+            state, _ = load_adapter(round_dir(checkpoint_dir, r))
+        except UserError as e:
+            log.warning("edge %s: cannot read round %d's adapter from %s: %s", self.rt.cfg.name, r, checkpoint_dir, e)
+            return None
+        if problems := check_compatible(state, engine.layers.expected_shapes()):
+            log.warning("edge %s: round %d's adapter does not fit this model: %s", self.rt.cfg.name, r, problems[0])
+            return None
+        self.rt.publish(state, r, round=r, source="bootstrap")
+        log.info("edge %s: caught up to the global adapter of round %d from %s", self.rt.cfg.name, r, checkpoint_dir)
+        return r
 
     def stop(self) -> None:
         if self.executor is not None:

@@ -5,9 +5,11 @@ would reload the LLM every round. Instead, `SuperNodeExecutor`:
 
 * starts a child `flower-supernode --isolation process` (Flower's own Fleet connection, TLS,
   node auth, heartbeats and reconnects), restarts it with backoff if it dies, and stops it;
-* acts as that SuperNode's only task executor: it claims tasks on the SuperNode's Runtime API
-  (`AcquireTask`), pulls the message, calls the given `ClientApp` object in this process and
-  pushes the reply, as `flwr-clientapp` does but without spawning a process or exiting.
+* acts as that SuperNode's only task executor: a low-priority transport process (`transport`)
+  claims tasks on the SuperNode's Runtime API (`AcquireTask`), pulls each message and hands it
+  over; the given `ClientApp` object runs in this process (on the resident model) and its reply
+  goes back the same way, as `flwr-clientapp` does but without reloading anything per message.
+  The transport's Python-heavy message handling never competes with serving for this process's GIL.
 
 The Runtime API task protocol is flwr-internal (hence the exact flwr pin) and has no
 authentication, so the SuperNode's Runtime API stays on 127.0.0.1.
@@ -23,27 +25,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
-import httpx
 from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 from flwr.common.config import parse_config_args
 from flwr.common.constant import ErrorCode, SubStatus
-from flwr.proto.runtime_pb2 import AcquireTaskRequest, SendTaskHeartbeatRequest  # pylint: disable=E0611
-from flwr.supercore.constant import TaskType
-from flwr.supercore.heartbeat import HeartbeatSender
-from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
-from flwr.supercore.retry import RetryInvoker, exponential
-from flwr.supercore.runtime import RuntimeHttpClient
-from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
-from collm.common.procs import child_env
+from collm.common.procs import child_env, lower_priority
+from collm.edge_client.federation.transport import describe, transport_main
 
 log = logging.getLogger(__name__)
 
-# `pull_task_input` sets flwr's process-global TaskIdentity, so a process runs one task at a
-# time, even when it hosts several executors (the tests do).
+# flwr's TaskIdentity is process-global, so a process runs one ClientApp call at a time, even when
+# it hosts several executors (the tests do).
 _PROCESS_TASK_LOCK = threading.Lock()
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -125,7 +120,11 @@ class SuperNodeExecutor:
     auth_private_key : str | None (default: None)
         The node's OpenSSH ECDSA private key, for SuperNode authentication (TLS only).
     poll_interval : float (default: 0.2)
-        Seconds between `AcquireTask` polls while idle (a loopback call).
+        Seconds between `AcquireTask` polls while idle (a loopback call, from the transport process).
+    nice : int (default: 10)
+        Scheduling niceness of the SuperNode and the transport process: moving round messages is
+        background work and must not take CPU time from serving on the same device (0: same
+        priority as the edge).
     name : str | None (default: None)
         Label for log lines; default `node_config["name"]`, else the runtime port.
     """
@@ -142,12 +141,14 @@ class SuperNodeExecutor:
         auth_private_key: str | None = None,
         poll_interval: float = 0.2,
         name: str | None = None,
+        nice: int = 10,
     ) -> None:
         if insecure and (root_certificates or auth_private_key):
             raise ValueError("root_certificates and auth_private_key need TLS: pass insecure=False")
         self._client_app = client_app
         self._runtime_url = f"http://127.0.0.1:{runtime_port}"
         self._poll_interval = poll_interval
+        self._nice = nice
         self.name = name or str(node_config.get("name", f"supernode:{runtime_port}"))
         tls = ["--insecure"] if insecure else []
         if root_certificates:
@@ -169,6 +170,8 @@ class SuperNodeExecutor:
         self._supernode_restarts = 0
         self._last_task_seconds: float | None = None
         self._last_error: str | None = None
+        self._transport = None
+        self._pending: tuple[str, float] = ("", 0.0)
 
     # ------------------------------------------------------------------ status (read-only)
     @property
@@ -268,7 +271,7 @@ class SuperNodeExecutor:
                 self._proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
                     [sys.executable, "-c", _SUPERNODE_LAUNCHER, str(os.getpid()), *self._supernode_args],
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    env=child_env(), text=True, errors="replace",
+                    env=child_env(), text=True, errors="replace", preexec_fn=lower_priority(self._nice),
                 )  # fmt: skip
             except OSError as exc:
                 self._last_error = f"cannot start flower-supernode: {exc}"
@@ -283,68 +286,67 @@ class SuperNodeExecutor:
 
     # ------------------------------------------------------------------ task executor
     def _execute_loop(self) -> None:
-        """Claim the SuperNode's tasks one by one and run each in this thread."""
-        acquirer = self._runtime_client(token=None, retry=False, timeout=5.0)
+        """Run each task the transport process hands over, in this thread, and send back the reply."""
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        conn, child_conn = ctx.Pipe()
+        self._transport = ctx.Process(target=transport_main, name=f"collm-transport[{self.name}]", daemon=True,
+                                      args=(child_conn, self._runtime_url, self._poll_interval, self._nice))
+        self._transport.start()
+        child_conn.close()
         try:
             while not self._stop.is_set():
-                if not _PROCESS_TASK_LOCK.acquire(timeout=self._poll_interval):
-                    continue  # another executor in this process runs a task
-                try:
-                    if token := self._acquire(acquirer):
-                        self._run_task_safely(token)
-                finally:
-                    _PROCESS_TASK_LOCK.release()
-                if not token:
-                    self._stop.wait(self._poll_interval)
+                if not conn.poll(self._poll_interval):
+                    if not self._transport.is_alive():
+                        self._last_error = f"the task transport exited with code {self._transport.exitcode}"
+                        log.error("%s: %s", self.name, self._last_error)
+                        return
+                    continue
+                self._handle(conn, conn.recv())
+        except (EOFError, BrokenPipeError, OSError) as exc:
+            self._last_error = f"the task transport went away: {_describe(exc)}"
+            log.error("%s: %s", self.name, self._last_error)
         finally:
-            acquirer.close()
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+            self._transport.join(5)
+            if self._transport.is_alive():
+                self._transport.kill()
+            conn.close()
 
-    def _acquire(self, acquirer: RuntimeHttpClient) -> str | None:
-        """The token of a newly claimed ClientApp task; None if there is none or no SuperNode."""
-        try:
-            res = acquirer.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
-        except httpx.HTTPError as exc:  # the SuperNode is starting or restarting
-            if self._runtime_up is not False:
-                log.info("%s: waiting for the SuperNode Runtime API (%s)", self.name, _describe(exc))
-            self._runtime_up = False
-            return None
-        if not self._runtime_up:
-            log.info("%s: SuperNode Runtime API is up", self.name)
-        self._runtime_up = True
-        return res.token if res.HasField("task") and res.token else None
+    def _handle(self, conn, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "runtime":
+            _, up, why = msg
+            if up:
+                log.info("%s: SuperNode Runtime API is up", self.name)
+            else:
+                log.info("%s: waiting for the SuperNode Runtime API (%s)", self.name, why)
+            self._runtime_up = up
+        elif kind == "task":
+            _, message, context, identity, run_id, pulled_s = msg
+            started = time.monotonic()
+            log.info("%s: %s message of run %s (pulled in %.2f s)", self.name, message.metadata.message_type,
+                     run_id, pulled_s)
+            with _PROCESS_TASK_LOCK:  # Message(...) may read flwr's process-global task identity
+                from flwr.supercore.task_identity import TaskIdentity
 
-    def _run_task_safely(self, token: str) -> None:
-        try:
-            self._run_task(token)
-        except Exception as exc:  # noqa: BLE001 - one broken task must not end the executor
-            self._tasks_failed += 1
-            self._last_error = _describe(exc)
-            log.exception("%s: task failed: %s", self.name, self._last_error)
-
-    def _run_task(self, token: str) -> None:
-        """What `flwr-clientapp` does for one task, minus the process, the FAB install and the exit."""
-        started = time.monotonic()
-        client = self._runtime_client(token, retry=True)
-        heartbeat_client = self._runtime_client(token, retry=False, timeout=5.0)
-        heartbeat = HeartbeatSender(self._heartbeat_fn(heartbeat_client))
-        heartbeat.start()
-        try:
-            message, context, run, _fab = pull_task_input(client)  # the FAB's code is not used
-            log.info("%s: %s message of run %s", self.name, message.metadata.message_type, run.run_id)
-            reply, status, details = self._call_client_app(message, context)
-            # If the reply cannot be pushed, the task stays unfinished: once its token expires,
-            # the SuperNode answers "ClientApp stopped responding" itself. A task finished
-            # without a reply would leave the SuperNode waiting for that reply forever.
-            push_message(client, reply, context)
-            push_task_output(client, context, status, details)
+                TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = identity
+                reply, status, details = self._call_client_app(message, context)
+            conn.send(("reply", reply, status, details))
+            self._pending = (status, started)
+        elif kind == "pushed":
+            status, started = self._pending
             self._tasks_done += 1
-            self._last_task_seconds = time.monotonic() - started
+            self._last_task_seconds = msg[1]
             log.info("%s: task %s in %.2f s", self.name, status, self._last_task_seconds)
-        finally:
-            if heartbeat.is_running:
-                heartbeat.stop()
-            client.close()
-            heartbeat_client.close()
+        elif kind == "failed":
+            self._tasks_failed += 1
+            self._last_error = msg[1]
+            log.error("%s: task failed: %s", self.name, self._last_error)
 
     def _call_client_app(self, message: Message, context: Context) -> tuple[Message, str, str]:
         """The ClientApp's reply, or an Error reply if it raised (as `flwr-clientapp` makes it)."""
@@ -361,56 +363,8 @@ class SuperNodeExecutor:
             error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
             return Message(error, reply_to=message), SubStatus.FAILED, reason
 
-    def _heartbeat_fn(self, client: RuntimeHttpClient) -> Callable[[], bool]:
-        """Keep the task's token alive. flwr's own version raises SIGINT when refused."""
 
-        def beat() -> bool:
-            try:
-                accepted = client.SendTaskHeartbeat(SendTaskHeartbeatRequest()).success
-            except Exception:  # noqa: BLE001 - False: HeartbeatSender retries with backoff
-                return False
-            if not accepted:
-                log.warning("%s: the SuperNode no longer accepts this task (run stopped?)", self.name)
-            return True
-
-        return beat
-
-    def _runtime_client(self, token: str | None, *, retry: bool, timeout: float = 30.0) -> RuntimeHttpClient:
-        interceptors = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp")]
-        if token:
-            interceptors.append(RuntimeTokenHttpInterceptor(token))
-        return RuntimeHttpClient(
-            self._runtime_url, interceptors=interceptors, timeout=timeout,
-            retry_invoker=_transient_retry(self._stop.is_set) if retry else None,
-        )  # fmt: skip
-
-
-def _transient_retry(stopping: Callable[[], bool] = lambda: False) -> RetryInvoker:
-    """Retry loopback hiccups (connection errors, HTTP 502/503/504) for up to 20 s, unless the edge is
-    stopping (then the SuperNode is going away too, and waiting would only delay the shutdown).
-
-    Not flwr's `make_simple_http_retry_invoker`: on HTTP 401 (a revoked task token) it raises
-    SIGINT in the whole process, which would take the edge down.
-    """
-
-    def give_up(exc: Exception) -> bool:
-        if stopping():
-            return True
-        return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code not in (502, 503, 504)
-
-    return RetryInvoker(
-        lambda: exponential(base_delay=0.2, max_delay=2),
-        (httpx.TransportError, httpx.HTTPStatusError),
-        max_tries=None,
-        max_time=20.0,
-        should_giveup=give_up,
-    )
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, httpx.HTTPStatusError):
-        return f"HTTP {exc.response.status_code} from {exc.request.url.path}: {exc.response.text[:300]}"
-    return f"{type(exc).__name__}: {exc}"
+_describe = describe
 
 
 def _terminate(proc: subprocess.Popen, timeout: float) -> None:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from collm.edge_client.model.lora import bind
 
-HEAD_CHUNK_TOKENS = 128  # answer tokens per head unit: the LM head is the widest matmul of the model
+HEAD_CHUNK_TOKENS = 64  # answer tokens per head unit: the LM head is the widest matmul of the model (~0.15 s on a core)
 
 
 @dataclass(frozen=True)

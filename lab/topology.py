@@ -1,0 +1,175 @@
+"""The pieces every whole-topology tool shares (collm-lab, collm-bench, the tests that run processes):
+free ports, one edge config builder, a process group that stops cleanly, health waits.
+
+An edge config is always built the same way: a shipped base config (`BASE_CONFIGS`), then what the
+topology decides (name, ports, data split, federation, state dir, cores), validated into an
+`EdgeConfig` before any process starts, so a mistake is one line here rather than a child's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from collm.common.config import deep_merge, dump_config, validate_config
+from collm.common.errors import UserError
+from collm.common.procs import child_env, end_stragglers, lower_priority, usable_cpus
+from collm.edge_client.config import EdgeConfig
+
+BASE_CONFIGS = {"tiny": "configs/edge-tiny.yaml", "bundled": "configs/edge-smollm2.yaml"}
+BASE_MODEL_NAMES = {"tiny": "collm-tiny", "bundled": "smollm2-135m-instruct"}
+# The federation's coordinator (SuperLink, and the ServerApp it starts) runs on a server in a real
+# deployment; on one machine it shares the edges' cores, so it runs at the lowest priority: it gets
+# the time serving leaves, like training does.
+COORDINATOR_NICE = 19
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_cores(i: int, n: int) -> list[int]:
+    """The cores replica i of n is pinned to: each replica its own share, like separate devices."""
+    cpus = usable_cpus()
+    if n >= len(cpus):
+        return [cpus[i % len(cpus)]]
+    per = len(cpus) // n
+    return cpus[i * per:(i + 1) * per]
+
+
+def edge_config(model: str, name: str, out: Path, *, categories: list[str], superlink: str | None = None,
+                overrides: dict | None = None) -> EdgeConfig:
+    """The config of one edge of a local topology: `model`'s base config, its own name, loopback
+    ports, Dolly categories and state dir under `out`; federation on when `superlink` is given."""
+    base = yaml.safe_load(Path(BASE_CONFIGS[model]).read_text())
+    fed = {"enabled": superlink is not None, "runtime_port": free_port()}
+    if superlink is not None:
+        fed["superlink"] = superlink
+    topology = {"name": name, "api": {"host": "127.0.0.1", "port": free_port()},
+                "data": {"categories": categories}, "federation": fed, "state_dir": str(out / "state" / name)}
+    data = deep_merge(deep_merge(base, topology), overrides or {})
+    return validate_config(EdgeConfig, data, f"{name} (from {BASE_CONFIGS[model]})")
+
+
+def write_config(path: Path, cfg) -> Path:
+    path.write_text(dump_config(cfg))
+    return path
+
+
+def edge_url(cfg: EdgeConfig) -> str:
+    return f"http://{cfg.api.host}:{cfg.api.port}"
+
+
+class ProcessGroup:
+    """The processes of one topology; `stop()` ends them all (edges gracefully, then the SuperLink).
+
+    Every process writes its output to `out/logs/<name>.log`. `check_alive()` raises a UserError
+    naming the log of the first essential process that exited; a process marked `expendable`
+    (an edge, while enough of them remain) only gets reported by `casualties()`.
+    """
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.expendable: set[str] = set()
+        self.superlink: str | None = None  # host:port, for the processes the SuperLink detaches
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, name: str, cmd: list[str], expendable: bool = False, nice: int = 0, **kw) -> subprocess.Popen:
+        """Start `cmd` in its own session; `nice` > 0 runs it (and what it starts) at lower CPU priority."""
+        log = open(self.out / "logs" / f"{name}.log", "a")
+        env = child_env(**kw.pop("env", {}))
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                             preexec_fn=lower_priority(nice), **kw)
+        self.procs = [(n, q) for n, q in self.procs if n != name] + [(name, p)]
+        if expendable:
+            self.expendable.add(name)
+        return p
+
+    def get(self, name: str) -> subprocess.Popen | None:
+        return dict(self.procs).get(name)
+
+    def log_path(self, name: str) -> Path:
+        return self.out / "logs" / f"{name}.log"
+
+    def casualties(self) -> list[tuple[str, int]]:
+        """(name, exit status) of the expendable processes that have exited."""
+        return [(n, p.returncode) for n, p in self.procs if n in self.expendable and p.poll() is not None]
+
+    def check_alive(self, ignore: tuple[str, ...] = ()) -> None:
+        for name, p in self.procs:
+            if p.poll() is not None and name not in ignore and name not in self.expendable:
+                raise UserError(f"{name} exited with status {p.returncode}; see {self.log_path(name)}")
+
+    def stop(self, grace_s: float = 45.0) -> None:
+        for _, p in reversed(self.procs):  # edges and router first, the SuperLink last
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + grace_s
+        for _, p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(5)
+        if self.superlink:
+            end_stragglers(self.superlink, 15)
+
+
+def wait_http(url: str, group: ProcessGroup, timeout: float, what: str, ca: Path | None = None) -> None:
+    """Wait until `url` answers 200 (`ca`: verify an https server with this CA file)."""
+    verify = ssl.create_default_context(cafile=str(ca)) if ca else True
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        group.check_alive()
+        try:
+            if httpx.get(url, timeout=2, verify=verify).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise UserError(f"{what} did not become ready within {timeout:.0f} s (see {group.out / 'logs'})")
+
+
+def prepare_out(out: Path, overwrite: bool) -> Path:
+    """`out` as a fresh folder for a run, never deleting anything the user did not ask to lose.
+
+    An absent or empty folder is used as it is. A non-empty one needs `overwrite`; even then only
+    what an earlier run of these tools wrote there is removed (the folder must carry the marker
+    file they leave), so `--out .` or `--out ~` can never wipe a working directory.
+    """
+    out = out.resolve()
+    marker = out / ".collm-run"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"--out {out}: the folder is not empty; pass --overwrite to replace an earlier run's "
+                            "results, or choose another folder")
+        if not marker.is_file():
+            raise UserError(f"--out {out}: not a folder an earlier collm-lab/collm-bench run made (no .collm-run); "
+                            "refusing to delete its contents")
+        import shutil
+
+        for child in out.iterdir():
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    marker.write_text("made by a CoLLM run; collm-lab/collm-bench --overwrite may replace this folder\n")
+    return out
