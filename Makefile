@@ -8,7 +8,7 @@ setup:
 # federated rounds while requests are served; prints each edge's holdout loss per round.
 demo: setup
 	.venv/bin/collm-edge --config configs/edge-smollm2.yaml --prompt "What is the capital of France?"
-	.venv/bin/collm-lab --model bundled --edges 3 --rounds 2 --load 0.3 --round-deadline 60 --out runs/demo
+	.venv/bin/collm-lab --model bundled --edges 3 --rounds 2 --load 0.3 --round-deadline 60 --out runs/demo --overwrite
 
 test: setup
 	.venv/bin/python -m pytest -q

@@ -79,10 +79,18 @@ def load_adapter(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     d = Path(directory)
     if not (d / WEIGHTS_FILE).is_file() or not (d / CONFIG_FILE).is_file():
         raise UserError(f"{d}: not a PEFT adapter directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    cfg = json.loads((d / CONFIG_FILE).read_text())
+    try:
+        cfg = json.loads((d / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{d / CONFIG_FILE}: not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{d / CONFIG_FILE}: expected a JSON object, got {type(cfg).__name__}")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{d}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    return load_file(str(d / WEIGHTS_FILE)), cfg
+    try:
+        return load_file(str(d / WEIGHTS_FILE)), cfg
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a corrupt file
+        raise UserError(f"{d / WEIGHTS_FILE}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
 def check_compatible(state: dict, expected: dict[str, tuple[int, ...]]) -> list[str]:

@@ -101,6 +101,8 @@ def load_config(model: type[M], path: str | Path, overrides: dict[str, Any] | No
         raise UserError(f"{p}: config file not found")
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason}); save the config as UTF-8") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
@@ -109,6 +111,20 @@ def load_config(model: type[M], path: str | Path, overrides: dict[str, Any] | No
     if overrides:
         data = deep_merge(data or {}, overrides)
     return validate_config(model, data, str(p))
+
+
+def check_writable_dir(path: str | Path, field: str) -> Path:
+    """Create `path` if needed and prove it is writable now, not at shutdown when state is saved."""
+    d = Path(path).expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / ".collm-write-check"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"{field}: cannot write to {d} ({e.strerror or e}); choose a folder this user can write") \
+            from None
+    return d
 
 
 def deep_merge(base: dict, extra: dict) -> dict:

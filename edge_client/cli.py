@@ -14,7 +14,7 @@ import logging
 import signal
 import sys
 
-from collm.common.config import dump_config, load_config
+from collm.common.config import check_writable_dir, dump_config, load_config
 from collm.edge_client.config import EdgeConfig
 from collm.common.errors import cli_entry
 from collm.common.listen import bind_listen_socket
@@ -53,6 +53,7 @@ def serve(cfg: EdgeConfig) -> int:
     from collm.edge_client.serve.api import create_app
     from collm.edge_client.runtime import EdgeRuntime
 
+    check_writable_dir(cfg.resolved_state_dir, "state_dir")  # it is written on every publish and at shutdown
     sock = bind_listen_socket(cfg.api.host, cfg.api.port)  # before anything slow: a clash is one line
     rt = EdgeRuntime(cfg)
     if cfg.federation.enabled:

@@ -56,6 +56,7 @@ from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup
                                 prepare_out, replica_cores, wait_http, write_config)
 from collm.router.state import parse_prometheus
 from collm.common.rounds import complete_rounds, read_status
+from collm.common.slo import SLO
 
 
 # ----------------------------------------------------------------------------- requests
@@ -106,11 +107,12 @@ class Workload:
 
     def plan(self, reqs: list[TraceRequest], model_id: str) -> list[Planned]:
         cfg = self.cfg
-        slo = {"ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}
+        slo = SLO.from_ms(cfg.ttft_ms, cfg.tpot_ms)
         return [Planned(r.arrival_s, {
             "model": model_id, "messages": [{"role": "user", "content": self.prompts(r.prompt_tokens)}],
-            "max_tokens": r.output_tokens, "temperature": 0.7, "seed": i, "ignore_eos": True, "slo": slo},
-            ttft_slo_s=cfg.ttft_ms / 1000, tpot_slo_s=cfg.tpot_ms / 1000) for i, r in enumerate(reqs)]
+            "max_tokens": r.output_tokens, "temperature": 0.7, "seed": i, "ignore_eos": True,
+            "slo": {"ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}},
+            ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s) for i, r in enumerate(reqs)]
 
 
 def window_of(plan: list[Planned]) -> float:

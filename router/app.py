@@ -91,20 +91,22 @@ def request_view(body: object, chat: bool, cfg: RouterConfig, typical_output: fl
             c = m.get("content") if isinstance(m, dict) else None
             if isinstance(c, list):
                 c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-            chars += len(c.encode()) if isinstance(c, str) else 0
+            chars += len(c.encode("utf-8", "surrogatepass")) if isinstance(c, str) else 0
             extra += 8  # role markers of the chat template
         prompt_tokens = math.ceil(chars / r.chars_per_token) + extra
     else:
         p = body.get("prompt")
         p = p[0] if isinstance(p, list) and p and isinstance(p[0], str) else p
-        prompt_tokens = math.ceil(len(p.encode()) / r.chars_per_token) if isinstance(p, str) else 1
+        prompt_tokens = (math.ceil(len(p.encode("utf-8", "surrogatepass")) / r.chars_per_token)
+                         if isinstance(p, str) else 1)
     m = body.get("max_tokens") or body.get("max_completion_tokens")
     max_tokens = m if isinstance(m, int) and m > 0 else int(typical_output)
     slo = body.get("slo") if isinstance(body.get("slo"), dict) else {}
 
-    def target(key: str) -> float | None:
+    def target(key: str) -> float | None:  # a bad value is the edge's to reject (400); the rule ignores it
         v = slo.get(key)
-        return v / 1000 if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        return v / 1000 if ok else None
 
     view = RequestView(max(1, prompt_tokens), max_tokens, target("ttft_ms"), target("tpot_ms"))
     return view, body.get("stream") is True
@@ -314,7 +316,7 @@ class Router:
         raw = await request.body() if method == "POST" else b""
         body = None
         if raw:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):  # the edge answers bad JSON with a 400
                 body = json.loads(raw)
         x, stream = request_view(body, chat, self.cfg, self.typical_output)
         headers = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
@@ -322,6 +324,10 @@ class Router:
         failed: list[_Failed] = []
         for attempt in (1, 2):
             picked = self.pick(x, exclude=tried)
+            if picked is None and attempt == 2 and failed[-1].reason == "read":
+                # the only edge broke off before answering: most often an idle keep-alive connection
+                # it closed as we reused it; one more try on the same edge, on a fresh connection
+                picked = self.pick(x, exclude=[])
             if picked is None:
                 break
             edge, _, est = picked

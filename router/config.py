@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from collm.common.config import Strict
+from collm.common.slo import SLO
 
 
 class EdgeEndpoint(Strict):
@@ -70,6 +71,10 @@ class RoutingConfig(Strict):
     default_ttft_ms: float = Field(2000.0, gt=0, description="TTFT target assumed until an edge's metrics are read")
     default_tpot_ms: float = Field(200.0, gt=0, description="TPOT target assumed until an edge's metrics are read")
     seed: int | None = Field(None, description="seed of the tie-breaking sampler (None: random)")
+
+    @property
+    def default_slo(self) -> SLO:
+        return SLO.from_ms(self.default_ttft_ms, self.default_tpot_ms)
 
 
 class ProxyConfig(Strict):

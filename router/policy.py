@@ -113,8 +113,9 @@ class Estimate:
 
     @property
     def slack(self) -> float:
-        return min((self.ttft_target_s - self.ttft_s) / self.ttft_target_s,
-                   (self.tpot_target_s - self.tpot_s) / self.tpot_target_s)
+        s = min((self.ttft_target_s - self.ttft_s) / self.ttft_target_s,
+                (self.tpot_target_s - self.tpot_s) / self.tpot_target_s)
+        return s if math.isfinite(s) else -math.inf  # an estimate from broken inputs ranks last
 
 
 @dataclass(frozen=True)
@@ -167,9 +168,12 @@ def choose_slo(edges: list[EdgeView], x: RequestView, rng: random.Random,
     if not edges:
         raise ValueError("no edge to choose from")
     ests = {e.name: estimate(e, x, a) for e in edges}
-    best = max(est.slack for est in ests.values())
-    near = [e for e in edges if ests[e.name].slack >= min(best - a.tie_margin, a.comfort)]
-    starved = [e for e in edges if e not in near and ests[e.name].load == 0 and e.unused_s >= a.probe_after_s]
+    slack = {name: est.slack for name, est in ests.items()}
+    best = max(slack.values())
+    near = [e for e in edges if slack[e.name] >= min(best - a.tie_margin, a.comfort)] or list(edges)
+    near_names = {e.name for e in near}
+    starved = [e for e in edges if e.name not in near_names and ests[e.name].load == 0
+               and e.unused_s >= a.probe_after_s]
     if starved:
         pick = max(starved, key=lambda e: e.unused_s)
         return Decision(pick.name, ests[pick.name], "probe")

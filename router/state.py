@@ -149,7 +149,7 @@ class EdgeState:
         unused = now - self.last_sent
         if s is None:
             return EdgeView(self.name, self.outstanding, max_running=routing.default_max_running,
-                            ttft_target_s=routing.default_ttft_ms / 1000, tpot_target_s=routing.default_tpot_ms / 1000,
+                            ttft_target_s=routing.default_slo.ttft_s, tpot_target_s=routing.default_slo.tpot_s,
                             unused_s=unused)
         if now - s.at > stale_after_s:  # keep what an old scrape says about the edge, not about its load
             return EdgeView(self.name, self.outstanding, max_running=s.max_running, step_coef=s.step_coef,

@@ -8,8 +8,13 @@ An update is left out, with its reason, when
   global is still empty (round 1: edges start from their identical seeded adapter), the key set
   and shapes that most updates agree on;
 * its update norm ‖local − global‖ (all tensors together; an empty global counts as zeros) is
-  above k × the median update norm of the round. This check needs at least 3 updates: with 2
-  the median cannot tell which one is the outlier.
+  above k × the median of the reference norms: this round's update norms together with the
+  norms of the updates the last rounds kept (`history`). The check needs at least 3 reference
+  norms. With 3 or more edges one round has them; with 2 edges the median of two norms cannot
+  tell which one is the outlier, so round 1 goes unchecked and from round 2 on the history
+  decides (a 100x update is then caught; an update scaled by less than k passes, as it would
+  with any number of edges: the screen bounds how far one update can pull, it cannot prove one
+  honest).
 """
 
 from __future__ import annotations
@@ -87,8 +92,9 @@ def update_norm(arrays: Mapping[str, np.ndarray], global_arrays: Mapping[str, np
 
 
 def screen_updates(updates: Sequence[Update], global_arrays: Mapping[str, np.ndarray],
-                   norm_k: float) -> Screening:
-    """Which updates to aggregate, and why each of the others was left out."""
+                   norm_k: float, history: Sequence[float] = ()) -> Screening:
+    """Which updates to aggregate, and why each of the others was left out (`history`: update
+    norms the last rounds kept)."""
     out = Screening()
     if global_arrays:
         expected, out.reference = signature(global_arrays), "global adapter"
@@ -111,8 +117,9 @@ def screen_updates(updates: Sequence[Update], global_arrays: Mapping[str, np.nda
             survivors.append(i)
 
     out.norms = {i: update_norm(updates[i].arrays, global_arrays) for i in survivors}
-    if len(survivors) >= MIN_UPDATES_FOR_NORM_CHECK:
-        out.median_norm = float(np.median([out.norms[i] for i in survivors]))
+    reference = [out.norms[i] for i in survivors] + [float(h) for h in history]
+    if len(reference) >= MIN_UPDATES_FOR_NORM_CHECK:
+        out.median_norm = float(np.median(reference))
         limit = norm_k * out.median_norm
         for i in survivors:
             if out.median_norm > 0 and out.norms[i] > limit:

@@ -19,6 +19,7 @@ logs and checkpoints use the real round number.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from logging import INFO, WARNING
@@ -71,6 +72,7 @@ class CollmRounds:
         self._global: dict[str, np.ndarray] = {}  # the adapter sent out this round
         self._started: dict[int, float] = {}
         self._node_names: dict[int, str] = {}     # last name each node reported
+        self._norm_history: deque[float] = deque(maxlen=8)  # update norms the last rounds kept
 
     # ------------------------------------------------------------------------------ rounds
     def real_round(self, server_round: int) -> int:
@@ -229,7 +231,8 @@ class CollmRounds:
                                   {k: v.numpy() for k, v in arrays.items()}))
             candidates.append(m)
 
-        screening = screen_updates(updates, self._global, self.server_cfg.robust.norm_k)
+        screening = screen_updates(updates, self._global, self.server_cfg.robust.norm_k, list(self._norm_history))
+        self._norm_history.extend(screening.norms[i] for i in screening.kept)
         for i, why in screening.dropped.items():
             rec["dropped"][updates[i].name] = why
         for name, why in rec["dropped"].items():

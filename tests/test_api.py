@@ -103,6 +103,10 @@ def test_sixteen_concurrent_clients(edge):
     (json.dumps({"max_tokens": 3}), 400, "prompt", "Field required"),
     (json.dumps({"prompt": "x", "n": 3}), 400, "n", "only n=1"),
     (json.dumps({"prompt": "x", "model": "gpt-9"}), 404, "model", "does not exist"),
+    ('{"prompt": "hi \\ud800", "max_tokens": 2}', 400, "prompt", "lone surrogate"),
+    (json.dumps({"prompt": "x", "stop": ["\ud800"]}), 400, "stop", "lone surrogate"),
+    ('{"prompt": "x", "slo": {"ttft_ms": 1e400}}', 400, "slo.ttft_ms", "finite"),
+    ('{"prompt": "x", "seed": 18446744073709551616}', 400, "seed", "less than or equal to"),
 ])
 def test_bad_requests_get_openai_errors(edge, raw, status, param, words):
     r = httpx.post(edge.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
@@ -119,6 +123,18 @@ def test_a_seed_torch_cannot_take_is_a_400_and_the_edge_keeps_serving(edge, seed
     ok = post(edge, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "seed": 2**64 - 1})
     assert ok.status_code == 200, ok.text
     assert httpx.get(edge.url + "/health").json()["status"] == "ready"
+
+
+@pytest.mark.parametrize("content, words", [
+    ([{"type": "text", "text": 5}], "needs a string 'text'"),
+    ([{"type": "text", "text": "ok"}, {"type": "text"}], "content part 1"),
+    ("hello \ud800", "lone surrogate"),
+])
+def test_bad_chat_content_is_a_400(edge, content, words):
+    raw = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    r = httpx.post(edge.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
 
 
 def test_prompt_over_context_limit(edge):
@@ -195,7 +211,7 @@ def test_client_disconnect_frees_its_slot(edge):
 
 
 def test_queue_full_is_429_with_retry_after(tmp_path):
-    cfg = tiny_config(state_dir=str(tmp_path), engine={"max_running": 1, "max_queue": 1})
+    cfg = tiny_config(state_dir=str(tmp_path), engine={"max_running": 1, "max_queue": 1, "shed_late": False})
     e = LiveEdge(cfg)
     try:
         body = {"prompt": "hold", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
@@ -245,6 +261,16 @@ def test_admin_endpoints(tmp_path):
         view = post(e, "/admin/adapters", {"path": str(tmp_path / "ad")}).json()
         assert view["serving_version"] == 1 and view["source"] == "admin"
         assert post(e, "/admin/adapters", {"path": str(tmp_path / "nope")}).status_code == 400
+        bad_cfg = tmp_path / "bad-config"
+        save_adapter(bad_cfg, random_adapter_state(e.engine, 4), e.engine.cfg.lora, "collm-tiny")
+        (bad_cfg / "adapter_config.json").write_text("{not json")
+        r = post(e, "/admin/adapters", {"path": str(bad_cfg)})
+        assert r.status_code == 400 and "not readable JSON" in r.json()["error"]["message"]
+        bad_weights = tmp_path / "bad-weights"
+        save_adapter(bad_weights, random_adapter_state(e.engine, 4), e.engine.cfg.lora, "collm-tiny")
+        (bad_weights / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+        r = post(e, "/admin/adapters", {"path": str(bad_weights)})
+        assert r.status_code == 400 and "safetensors" in r.json()["error"]["message"]
         assert post(e, "/admin/train", {}).json()["error"]["message"].endswith("give steps or tokens")
     finally:
         e.close()
@@ -285,3 +311,46 @@ def test_the_real_load_report_carries_every_key_the_balancer_reads(edge):
     assert r.train_tokens_per_s == pytest.approx(snap.idle_train_tokens_per_s) and r.train_tokens_per_s > 0
     assert r.adapter_version == snap.adapter_version >= 0
     assert 0 <= r.spare_capacity <= 1 and r.request_rate > 0 and r.slo_attainment is not None
+
+
+def test_a_request_that_cannot_start_in_time_gets_a_429_not_a_late_answer(tmp_path):
+    e = LiveEdge(tiny_config(state_dir=str(tmp_path), engine={"max_running": 1},
+                             slo={"ttft_ms": 150, "tpot_ms": 1000}))
+    try:
+        body = {"prompt": "hold", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(post, e, "/v1/completions", body)
+            time.sleep(0.05)
+            late = post(e, "/v1/completions", body)
+            assert first.result().status_code == 200
+        assert late.status_code == 429, late.text
+        err = late.json()["error"]
+        assert err["code"] == "slo_unattainable" and "TTFT target" in err["message"]
+        assert int(late.headers["Retry-After"]) >= 1
+    finally:
+        e.close()
+
+
+def test_a_restarted_edge_catches_up_to_the_checkpointed_global_before_it_serves(tmp_path):
+    """State dir says v1 (what the edge served before it died); the server has since written round 4."""
+    from collm.edge_client.federation.client import EdgeFederation
+    from collm.server.checkpoints import write_round
+
+    state_dir, ckpt = tmp_path / "state", tmp_path / "ckpt"
+    first = LiveEdge(tiny_config(state_dir=str(state_dir)))
+    assert first.runtime.publish(random_adapter_state(first.engine, 1), 1, round=1)
+    g4 = random_adapter_state(first.engine, 4)
+    first.close()
+    write_round(ckpt, 4, {k: v.numpy() for k, v in g4.items()}, {"round": 4}, first.engine.cfg.lora, "collm-tiny")
+
+    again = LiveEdge(tiny_config(state_dir=str(state_dir)))  # a restart: restores v1 from its state dir
+    try:
+        assert again.engine.shadow.current_version == 1
+        assert EdgeFederation(again.runtime).catch_up(str(ckpt)) == 4
+        view = httpx.get(again.url + "/v1/adapters").json()
+        assert view["serving_version"] == 4 and view["source"] == "bootstrap"
+        assert EdgeFederation(again.runtime).catch_up(str(ckpt)) is None  # nothing newer: no swap
+        r = post(again, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert r.headers[VERSION_HEADER] == "4"
+    finally:
+        again.close()

@@ -274,6 +274,45 @@ def test_a_dead_engine_loop_says_so_and_refuses_requests():
         eng.stop()
 
 
+def test_a_request_that_waited_past_its_ttft_is_refused_not_served_late():
+    eng = tiny_engine(engine={"max_running": 1}, slo={"ttft_ms": 150, "tpot_ms": 1000})
+    try:
+        long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+        events: dict[str, list] = {"a": [], "b": []}
+        done = threading.Event()
+
+        def collect(name):
+            def on_event(ev):
+                if isinstance(ev, FinishEvent):
+                    events[name].append(ev)
+                    if all(events.values()):
+                        done.set()
+            return on_event
+
+        eng.submit(prompt(eng, "hold the slot"), long, collect("a"))
+        time.sleep(0.05)
+        eng.submit(prompt(eng, "wait behind it"), long, collect("b"))
+        assert done.wait(30)
+        assert events["a"][0].reason == "length"
+        b = events["b"][0]
+        assert b.reason == "expired" and b.record.output_tokens == 0 and not b.record.slo_met
+        assert eng.telemetry.totals["expired"] == 1
+    finally:
+        eng.stop()
+
+
+def test_without_shedding_late_requests_are_served():
+    eng = tiny_engine(engine={"max_running": 1, "shed_late": False}, slo={"ttft_ms": 150, "tpot_ms": 1000})
+    try:
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        done, box = threading.Event(), []
+        eng.submit(prompt(eng, "hold the slot"), long, lambda e: None)
+        eng.submit(prompt(eng, "wait"), long, lambda e: (box.append(e), done.set()) if isinstance(e, FinishEvent) else 0)
+        assert done.wait(30) and box[0].reason == "length" and box[0].record.ttft_s > 0.15
+    finally:
+        eng.stop()
+
+
 def test_limits_queue_and_context():
     eng = tiny_engine(engine={"max_running": 2, "max_queue": 3, "kv_cache_mb": 0.25})
     try:

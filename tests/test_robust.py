@@ -89,6 +89,20 @@ def test_norm_check_needs_three_updates():
     assert s.kept == [0, 1] and s.median_norm is None
 
 
+def test_with_two_edges_the_last_rounds_norms_catch_a_100x_update():
+    rng = np.random.default_rng(4)
+    glob = adapter(rng)
+    honest = [update_norm(adapter(rng, base=glob), glob) for _ in range(2)]  # what the last round kept
+    a = adapter(rng, base=glob)
+    b = {k: glob[k] + 100 * (v - glob[k]) for k, v in adapter(rng, base=glob).items()}
+    s = screen_updates([Update("a", 1, a), Update("b", 1, b)], glob, norm_k=5.0, history=honest)
+    assert s.kept == [0] and "median" in s.dropped[1]
+    # a copy of the honest update scaled within k passes: the screen bounds an update, it cannot prove it honest
+    c = {k: glob[k] + 3 * (v - glob[k]) for k, v in a.items()}
+    s = screen_updates([Update("a", 1, a), Update("c", 1, c)], glob, norm_k=5.0, history=honest)
+    assert s.kept == [0, 1]
+
+
 def test_no_updates():
     s = screen_updates([], {}, norm_k=5.0)
     assert s.kept == [] and s.dropped == {}

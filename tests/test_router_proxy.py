@@ -147,7 +147,11 @@ class FakeEdge:
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            body = await request.json()
+            try:  # like collm-edge: a body it cannot read is the client's mistake
+                body = json.loads(await request.body())
+            except (ValueError, RecursionError):
+                return JSONResponse({"error": {"message": "not valid JSON", "type": "invalid_request_error",
+                                               "param": None, "code": "invalid_json"}}, status_code=400)
             self.calls += 1
             self.bodies.append(body)
             mode = self.mode
@@ -207,6 +211,19 @@ def post(router, body, path="/v1/completions", **kw):
 
 
 # ----------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("raw, status", [
+    ("[" * 100_000 + "]" * 100_000, 400),                            # JSON too deep for Python's parser
+    ('{"prompt": "hi \\ud800", "max_tokens": 2}', 200),            # a lone surrogate in the text
+    ('{"messages": [{"role": "user", "content": "\\ud800"}]}', 200),
+    ('{"prompt": "x", "slo": {"ttft_ms": 1e400, "tpot_ms": -5}}', 200),  # an infinite target, a negative one
+])
+def test_odd_bodies_reach_the_edge_and_its_answer_comes_back(router, raw, status):
+    path = "/v1/chat/completions" if "messages" in raw[:20] else "/v1/completions"
+    r = httpx.post(router.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code in (status, 404 if path.endswith("chat/completions") else status), r.text
+    assert r.status_code < 500
+
+
 def test_forwards_body_and_headers_and_names_the_edge(router, fakes):
     seen = set()
     for i in range(12):

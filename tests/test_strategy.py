@@ -46,6 +46,7 @@ class FakeEdge:
     spare: float = 0.9
     attainment: float = 0.99
     nan_update: bool = False
+    scale_from_round: int | None = None  # from this round on, send 100x the honest update
     query_fails: bool = False
     extra_metric: bool = False
     train_configs: list[dict] = field(default_factory=list)
@@ -88,7 +89,8 @@ def _train(msg: Message, context: Context) -> Message:
     start = {k: v.numpy() for k, v in rec.items()} or seeded_initial_adapter()
     edge.train_configs.append(cfg)
     edge.train_arrays.append({k: v.copy() for k, v in start.items()})
-    local = {k: (v + edge.delta()).astype(np.float32) for k, v in start.items()}
+    scale = 100.0 if edge.scale_from_round and cfg["server-round"] >= edge.scale_from_round else 1.0
+    local = {k: (v + scale * edge.delta()).astype(np.float32) for k, v in start.items()}
     if edge.nan_update:
         first = next(iter(local))
         local[first][0, 0] = np.nan
@@ -250,6 +252,15 @@ def test_nan_update_is_dropped_and_the_round_completes(tmp_path):
     want = {k: v + EDGES["idle"].delta() for k, v in seeded_initial_adapter().items()}
     for k in KEYS:
         np.testing.assert_allclose(m.arrays[k], want[k], rtol=1e-6)
+
+
+def test_with_two_training_edges_a_100x_update_is_dropped_from_round_2_on(tmp_path):
+    grid = make_grid(busy={"scale_from_round": 2})  # slow sits out: idle and busy are the round's two updates
+    cfg = server_cfg(tmp_path, rounds=2)
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=2, timeout=30)
+    m1, m2 = load_round(cfg.checkpoint_dir, 1).metrics, load_round(cfg.checkpoint_dir, 2).metrics
+    assert sorted(m1["kept"]) == ["busy", "idle"]  # round 1: two norms, no reference yet
+    assert m2["kept"] == ["idle"] and "median" in m2["dropped"]["busy"]
 
 
 def test_all_updates_dropped_keeps_previous_global(tmp_path):

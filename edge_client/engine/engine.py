@@ -294,11 +294,25 @@ class Engine:
         return self._job is not None or bool(self._jobs)
 
     def _drop_cancelled(self) -> None:
-        for r in [r for r in self._waiting if r.cancelled]:
-            self._waiting.remove(r)
-            self._finish(r, "cancelled")
+        """Drop cancelled requests, and (engine.shed_late) waiting ones that can no longer start in time: the
+        wait so far plus their own prefill (cost model) is past their TTFT target."""
+        now = time.perf_counter()
+        shed = self.cfg.engine.shed_late
+        for r in list(self._waiting):
+            if r.cancelled:
+                self._waiting.remove(r)
+                self._finish(r, "cancelled")
+            elif shed and now - r.arrival + self._prefill_s(len(r.prompt_ids)) > r.slo.ttft_s:
+                self._waiting.remove(r)
+                self._finish(r, "expired")
         for r in [r for r in self._running if r.cancelled]:
             self._finish(r, "cancelled")
+
+    def _prefill_s(self, prompt_tokens: int) -> float:
+        """Predicted time to prefill a prompt alone: its chunks of at most the step token budget."""
+        budget = self.cfg.engine.step_token_budget
+        chunk = min(prompt_tokens, budget)
+        return -(-prompt_tokens // budget) * self.costs.step_time(0, chunk, chunk)
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.pool.slots:

@@ -50,7 +50,7 @@ class TokenEvent:
 
 @dataclass
 class FinishEvent:
-    reason: str  # stop | length | cancelled | error
+    reason: str  # stop | length | cancelled | error | expired (waited past its TTFT target, never admitted)
     record: RequestRecord
     text: str  # the whole generated text
     token_ids: list[int]

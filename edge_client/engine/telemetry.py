@@ -32,7 +32,7 @@ class RequestRecord:
     e2e_s: float
     ttft_slo_s: float
     tpot_slo_s: float
-    finish_reason: str  # stop | length | cancelled | error
+    finish_reason: str  # stop | length | cancelled | error | expired
     finished_at: float  # wall clock
 
     @property
@@ -117,7 +117,7 @@ class Telemetry:
         self._steps: deque[tuple[float, float, int]] = deque()  # (t_end, seconds, batch size)
         self._background: deque[tuple[float, str, float, int]] = deque()  # (t_end, kind, s, tokens)
         self.listeners: list[Callable[[RequestRecord], None]] = []
-        self.totals = {"requests": 0, "completed": 0, "slo_met": 0, "cancelled": 0, "output_tokens": 0,
+        self.totals = {"requests": 0, "completed": 0, "slo_met": 0, "cancelled": 0, "expired": 0, "output_tokens": 0,
                        "steps": 0, "train_tokens": 0, "eval_tokens": 0, "train_microbatches": 0,
                        "background_units": 0, "deferrals": 0}
 
@@ -134,6 +134,7 @@ class Telemetry:
             self.totals["completed"] += rec.completed
             self.totals["slo_met"] += rec.slo_met
             self.totals["cancelled"] += rec.finish_reason == "cancelled"
+            self.totals["expired"] += rec.finish_reason == "expired"
             self.totals["output_tokens"] += rec.output_tokens
             self._trim(now)
         for fn in list(self.listeners):

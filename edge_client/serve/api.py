@@ -42,8 +42,15 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+class _AsciiJSON(JSONResponse):
+    """JSON escaped to ASCII: an error message that quotes the client's text (even a lone surrogate) renders."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None, headers=None):
-    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+    return _AsciiJSON(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 def create_app(rt: EdgeRuntime) -> FastAPI:
@@ -239,7 +246,13 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
         except asyncio.CancelledError:
             eng.cancel(req)
             raise
-        if isinstance(first, FinishEvent):  # cancelled or failed before admission
+        if isinstance(first, FinishEvent):  # cancelled, expired or failed before admission
+            if first.reason == "expired":
+                retry = _retry_after(eng)
+                raise ApiError(429, f"the request waited {first.record.e2e_s:.1f} s for a slot, past its "
+                                    f"{first.record.ttft_slo_s:g} s TTFT target, and was not started; retry after "
+                                    f"{retry} s", "rate_limit_error", code="slo_unattainable",
+                               headers={"Retry-After": str(retry)})
             raise ApiError(503, "the request could not be served", "service_unavailable")
         version = first.adapter_version
         headers = {VERSION_HEADER: str(version), EDGE_HEADER: rt.cfg.name}

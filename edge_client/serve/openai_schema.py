@@ -14,6 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from collm.edge_client.model.sampling import SEED_MAX, SEED_MIN
 
 
+def _encodable(text: str, field: str) -> str:
+    """Text the tokenizer can take: a lone surrogate (e.g. JSON "\\ud800") cannot be UTF-8 encoded."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{field} holds text that is not valid Unicode (a lone surrogate code point)") from None
+    return text
+
+
 class SLOOverride(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ttft_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -44,6 +53,11 @@ class _Common(BaseModel):
     slo: SLOOverride | None = None
     user: str | None = None
 
+    @field_validator("model", "user")
+    @classmethod
+    def _unicode(cls, v: str | None, info) -> str | None:
+        return None if v is None else _encodable(v, info.field_name)
+
     @field_validator("n")
     @classmethod
     def _one_choice(cls, v: int) -> int:
@@ -71,7 +85,7 @@ class _Common(BaseModel):
         stops = [v] if isinstance(v, str) else list(v or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("at most 4 non-empty stop strings")
-        return stops
+        return [_encodable(s, "stop") for s in stops]
 
     @property
     def stops(self) -> list[str]:
@@ -90,7 +104,7 @@ class CompletionRequest(_Common):
             v = v[0]
         if not v:
             raise ValueError("the prompt is empty")
-        return v
+        return _encodable(v, "the prompt")
 
 
 class ChatMessage(BaseModel):
@@ -98,9 +112,22 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v):
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                    raise ValueError(f"content part {i}: a text part needs a string 'text'")
+                if part.get("type") == "text":
+                    _encodable(part["text"], f"content part {i}")
+        elif isinstance(v, str):
+            _encodable(v, "content")
+        return v
+
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            return "".join(p["text"] for p in self.content if p.get("type") == "text")
         return self.content or ""
 
 
