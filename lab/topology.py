@@ -27,9 +27,10 @@ from collm.edge_client.config import EdgeConfig
 BASE_CONFIGS = {"tiny": "configs/edge-tiny.yaml", "bundled": "configs/edge-smollm2.yaml"}
 BASE_MODEL_NAMES = {"tiny": "collm-tiny", "bundled": "smollm2-135m-instruct"}
 # The federation's coordinator (SuperLink, and the ServerApp it starts) runs on a server in a real
-# deployment; on one machine it shares the edges' cores, so it runs at the lowest priority: it gets
-# the time serving leaves, like training does.
-COORDINATOR_NICE = 19
+# deployment; on one machine it shares the edges' cores, so it runs at a lower priority (about a
+# tenth of a busy core when it competes with an edge): it must not take serving's time, and it must
+# not starve either when an edge trains flat out (the colocated-naive baseline).
+COORDINATOR_NICE = 10
 
 
 def free_port() -> int:

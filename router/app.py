@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 import json
 import logging
 import math
@@ -49,12 +50,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
 
 from collm.router.config import RouterConfig
-from collm.router.policy import Assumptions, Decision, Estimate, RequestView, choose, estimate
+from collm.router.policy import Assumptions, Decision, Estimate, RequestView, choose, estimate, unattainable
 from collm.router.state import EdgeState, scrape_from_metrics
 
 log = logging.getLogger("collm.router")
 
 ATTEMPTS_HEADER = "X-CoLLM-Router-Attempts"
+BEST_EFFORT_HEADER = "X-CoLLM-Best-Effort"  # "1"/"true": route even when no edge can meet the TTFT target
 PASSED_HEADERS = ("content-type", VERSION_HEADER.lower(), EDGE_HEADER.lower(), "retry-after", "cache-control")
 FORWARDED_HEADERS = ("content-type", "accept", "authorization")
 
@@ -64,6 +66,7 @@ RESPONSES = "collm_router_responses_total"
 RETRIES = "collm_router_retries_total"
 FAILURES = "collm_router_edge_failures_total"
 NO_EDGE = "collm_router_no_healthy_edge_total"
+REFUSED = "collm_router_refused_total"
 TTFT_ESTIMATED = "collm_router_ttft_estimated_seconds"
 TTFT_OBSERVED = "collm_router_ttft_observed_seconds"
 EDGE_HEALTHY = "collm_router_edge_healthy"
@@ -82,7 +85,7 @@ def _describe(e: Exception) -> str:
 def request_view(body: object, chat: bool, cfg: RouterConfig, typical_output: float) -> tuple[RequestView, bool]:
     """(the rule's view of the request, whether it asks for a stream); never raises on odd bodies."""
     if not isinstance(body, dict):
-        return RequestView(1, int(typical_output)), False
+        return RequestView(1, int(typical_output), best_effort=True), False
     r = cfg.routing
     if chat:
         msgs = body.get("messages") if isinstance(body.get("messages"), list) else []
@@ -108,7 +111,8 @@ def request_view(body: object, chat: bool, cfg: RouterConfig, typical_output: fl
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
         return v / 1000 if ok else None
 
-    view = RequestView(max(1, prompt_tokens), max_tokens, target("ttft_ms"), target("tpot_ms"))
+    view = RequestView(max(1, prompt_tokens), max_tokens, target("ttft_ms"), target("tpot_ms"),
+                       body.get("best_effort") is True)
     return view, body.get("stream") is True
 
 
@@ -156,6 +160,8 @@ class RouterMetrics:
         self.retries = Counter(RETRIES, "Requests retried on another edge, by reason", ["reason"], registry=r)
         self.failures = Counter(FAILURES, "Edge failures seen by the router", ["edge", "kind"], registry=r)
         self.no_edge = Counter(NO_EDGE, "Requests answered 503 because no edge was healthy", registry=r)
+        self.refused = Counter(REFUSED, "Requests answered 429 because no edge could meet their TTFT target",
+                               registry=r)
         self.ttft_est = Histogram(TTFT_ESTIMATED, "TTFT the rule estimated for the chosen edge (s)", ["edge"],
                                   registry=r, buckets=BUCKETS)
         self.ttft_obs = Histogram(TTFT_OBSERVED, "TTFT observed: router to first token event for streams, the "
@@ -240,10 +246,18 @@ class Router:
                 await c.aclose()
 
     # ---------------------------------------------------------------- edge state
+    def poll_interval(self) -> float:
+        """Seconds between two polls of one edge: health.interval_s, stretched so that all edges together
+        stay within health.max_polls_per_s (1,000 edges at 100 polls/s: each every 10 s)."""
+        h = self.cfg.health
+        return max(h.interval_s, len(self.edges) / h.max_polls_per_s)
+
     async def _poll_loop(self, edge: EdgeState) -> None:
-        """Each edge on its own clock, so one that hangs does not delay what we learn about the others."""
+        """Each edge on its own clock (staggered), so one that hangs does not delay what we learn about the others."""
+        interval = self.poll_interval()
+        await asyncio.sleep(self.rng.random() * interval)
         while True:
-            await asyncio.sleep(self.cfg.health.interval_s)
+            await asyncio.sleep(interval)
             try:
                 await self.poll(edge)
             except Exception:  # noqa: BLE001 - the poller must outlive any one bad answer
@@ -296,7 +310,8 @@ class Router:
         if not healthy:
             return None
         pool = [e for e in healthy if not e.cooling(now)] or healthy
-        views = {e.name: e.view(self.cfg.routing, self.cfg.health.stale_after_s, now) for e in pool}
+        stale_after = max(self.cfg.health.stale_after_s, 2 * self.poll_interval())
+        views = {e.name: e.view(self.cfg.routing, stale_after, now) for e in pool}
         a = self.assumptions()
         d = choose(self.cfg.routing.policy, list(views.values()), x, self.rng, self.counter, a)
         self.counter += 1
@@ -319,6 +334,8 @@ class Router:
             with contextlib.suppress(ValueError, RecursionError):  # the edge answers bad JSON with a 400
                 body = json.loads(raw)
         x, stream = request_view(body, chat, self.cfg, self.typical_output)
+        if request.headers.get(BEST_EFFORT_HEADER, "").lower() in ("1", "true", "yes"):
+            x = replace(x, best_effort=True)
         headers = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
         tried: list[str] = []
         failed: list[_Failed] = []
@@ -330,7 +347,9 @@ class Router:
                 picked = self.pick(x, exclude=[])
             if picked is None:
                 break
-            edge, _, est = picked
+            edge, decision, est = picked
+            if attempt == 1 and self.cfg.routing.admission and not x.best_effort and unattainable(decision):
+                return self._refuse(decision)
             tried.append(edge.name)
             if attempt == 2:
                 self.metrics.retries.labels(failed[-1].reason).inc()
@@ -351,6 +370,17 @@ class Router:
             msg = f"no healthy edge: all {len(self.edges)} edges are out of service: {down}"
         return JSONResponse(error_body(msg, "service_unavailable", code="no_healthy_edge"), status_code=503,
                             headers={"Retry-After": str(max(1, math.ceil(self.cfg.health.interval_s)))})
+
+    def _refuse(self, d: Decision) -> Response:
+        """429: even the soonest edge would give the request its first token after its target."""
+        soon = d.soonest
+        self.metrics.refused.inc()
+        retry = max(1, math.ceil(soon.ttft_s - soon.ttft_target_s))
+        msg = (f"no edge can start this request within its {soon.ttft_target_s:g} s TTFT target (soonest: "
+               f"{soon.edge}, about {soon.ttft_s:.1f} s); retry after {retry} s, or send "
+               f"{BEST_EFFORT_HEADER}: 1 to be served late")
+        return JSONResponse(error_body(msg, "rate_limit_error", code="slo_unattainable"), status_code=429,
+                            headers={"Retry-After": str(retry)})
 
     async def _attempt(self, edge: EdgeState, est: Estimate, method: str, path: str, raw: bytes, headers: dict,
                        stream: bool, attempt: int, request: Request) -> Response:

@@ -42,7 +42,9 @@ class RouterApiConfig(Strict):
 class HealthConfig(Strict):
     """How the router learns each edge's state: /health and /metrics, polled."""
 
-    interval_s: float = Field(0.5, gt=0, description="poll every edge's /health and /metrics this often")
+    interval_s: float = Field(0.5, gt=0, description="poll every edge's /health and /metrics this often ...")
+    max_polls_per_s: float = Field(100.0, gt=0, description="... but all edges together at most this many polls "
+                                   "per second (two requests each): a large fleet is polled less often per edge")
     timeout_s: float = Field(2.0, gt=0, description="a poll slower than this counts as a failure (unless the "
                                                     "edge is streaming to the router meanwhile)")
     unhealthy_after: int = Field(2, ge=1, description="consecutive failed polls that take an edge out")
@@ -62,6 +64,8 @@ class RoutingConfig(Strict):
     probe_after_s: float = Field(5.0, gt=0, description="an idle edge left out this long gets the next request "
                                                          "(refreshes a stale cost estimate)")
     retry_429: bool = Field(True, description="retry a 429 (edge queue full) once on another edge")
+    admission: bool = Field(True, description="slo policy: answer 429 when no edge's estimated TTFT meets the "
+                            "request's target, unless it asks for best effort")
     chars_per_token: float = Field(4.0, gt=0, description="prompt size estimate: characters per token")
     typical_output_tokens: int = Field(64, ge=1, description="prior of the output length of running requests "
                                                              "(then a moving average of what the edges returned)")

@@ -47,6 +47,11 @@ being starved by a stale estimate: its cost model only learns from the steps it 
 whose coefficients were fit while it was overloaded would otherwise look slow forever once idle
 (seen in benchmarks/bench_router.py). An idle edge serves a probe at its bare step cost.
 
+Admission (`unattainable`, routing.admission): when even the soonest edge's TTFT^ is past the
+request's target, the router answers 429 (Retry-After) instead of sending it to be served late:
+past capacity, a late answer is a miss that also delays the requests behind it. A request that
+asks for best effort (`"best_effort": true`, or the X-CoLLM-Best-Effort header) is always routed.
+
 Baselines (the same interface): `round_robin` cycles through the healthy edges; `least_outstanding`
 takes the edge with the fewest requests in flight from this router (random among equals).
 """
@@ -88,6 +93,7 @@ class RequestView:
     max_tokens: int  # m
     ttft_target_s: float | None = None  # the request's `slo` override, if any
     tpot_target_s: float | None = None
+    best_effort: bool = False  # route it even if no edge can meet its TTFT target
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,15 @@ class Decision:
     edge: str
     estimate: Estimate | None  # None for the baselines
     why: str  # "best" | "p2c among N" | "round_robin" | "least_outstanding" ...
+    soonest: Estimate | None = None  # slo policy: the edge that would give x its first token soonest
+
+
+def unattainable(d: Decision) -> bool:
+    """Admission: no edge's estimated TTFT meets the request's target (the router answers 429).
+
+    Only the TTFT is judged: it is what a queue destroys, and a request refused now can retry
+    elsewhere or later; the TPOT estimate is left to the edges' own co-execution rule."""
+    return d.soonest is not None and d.soonest.ttft_s > d.soonest.ttft_target_s
 
 
 def edge_load(e: EdgeView) -> float:
@@ -174,15 +189,16 @@ def choose_slo(edges: list[EdgeView], x: RequestView, rng: random.Random,
     near_names = {e.name for e in near}
     starved = [e for e in edges if e.name not in near_names and ests[e.name].load == 0
                and e.unused_s >= a.probe_after_s]
+    soonest = min(ests.values(), key=lambda est: est.ttft_s)
     if starved:
         pick = max(starved, key=lambda e: e.unused_s)
-        return Decision(pick.name, ests[pick.name], "probe")
+        return Decision(pick.name, ests[pick.name], "probe", soonest)
     if len(near) == 1:
-        return Decision(near[0].name, ests[near[0].name], "best")
+        return Decision(near[0].name, ests[near[0].name], "best", soonest)
     i, j = rng.sample(range(len(near)), 2)
     one, two = near[i], near[j]
     pick = min((one, two), key=lambda e: (e.outstanding, ests[e.name].load))
-    return Decision(pick.name, ests[pick.name], f"p2c among {len(near)}")
+    return Decision(pick.name, ests[pick.name], f"p2c among {len(near)}", soonest)
 
 
 def choose_round_robin(edges: list[EdgeView], counter: int) -> Decision:

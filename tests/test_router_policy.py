@@ -170,3 +170,24 @@ def test_an_edges_exported_step_budget_and_safety_override_the_assumptions():
     busy = EdgeView("a", 3, queue_depth=0, running=3, training_active=True, training_busy=0.9, spare_capacity=0.1)
     loose = estimate(replace(busy, slo_safety=1.0), x, a)
     assert loose.tpot_s > estimate(busy, x, a).tpot_s  # training may stretch TPOT up to s*P
+
+
+def test_admission_refuses_exactly_when_the_soonest_ttft_misses_the_target():
+    import random as _random
+
+    from collm.router.policy import unattainable
+
+    a = Assumptions(step_token_budget=256, slo_safety=0.8, typical_output_tokens=32)
+    coef = (0.01, 0.002, 2e-4, 0.001)
+    x = RequestView(100, 32)
+    seen = set()
+    for q in range(0, 200, 5):
+        views = [EdgeView("busy", 0, 0, 30.0, 16.0, 16, coef, 2.0, 0.2),
+                 EdgeView("calm", 0, 0, float(q), 16.0, 16, coef, 2.0, 0.2)]
+        d = choose("slo", views, x, _random.Random(0), a=a)
+        soonest = min((estimate(v, x, a) for v in views), key=lambda e: e.ttft_s)
+        assert d.soonest == soonest
+        assert unattainable(d) == (soonest.ttft_s > 2.0)
+        seen.add(unattainable(d))
+    assert seen == {True, False}  # the sweep crosses the target
+    assert choose("round_robin", views, x, _random.Random(0)).soonest is None  # the baselines never refuse

@@ -294,11 +294,30 @@ def test_4xx_pass_through_unchanged_and_429_is_retried_once(router, fakes):
     a.mode, b.mode = "429", "ok"
     b.queue = 40
     router.wait_for(lambda: router.edge("b").scrape.queue_depth == 40, what="scrape")
-    r = post(router, {"prompt": "x"})
+    best_effort = {"X-CoLLM-Best-Effort": "1"}  # b's queue is far past any TTFT target: admission would refuse
+    r = post(router, {"prompt": "x"}, headers=best_effort)
     assert r.status_code == 200 and r.headers["X-CoLLM-Edge"] == "b" and r.headers["X-CoLLM-Router-Attempts"] == "2"
     b.mode = "429"
-    r = post(router, {"prompt": "x"})
+    r = post(router, {"prompt": "x"}, headers=best_effort)
     assert r.status_code == 429 and r.headers["Retry-After"] == "7"
+
+
+def test_admission_refuses_what_no_edge_can_start_in_time_and_best_effort_goes_through(router, fakes):
+    a, b = fakes
+    a.queue = b.queue = 60  # the fake edges' costs: every estimate is seconds past a 1 s TTFT target
+    router.wait_for(lambda: all(router.edge(n).scrape.queue_depth == 60 for n in "ab"), what="scrape")
+    calls = a.calls + b.calls
+    r = post(router, {"prompt": "x", "max_tokens": 3})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "slo_unattainable"
+    assert int(r.headers["Retry-After"]) >= 1 and a.calls + b.calls == calls  # refused here, no edge asked
+    metrics = httpx.get(router.url + "/metrics").text
+    assert "collm_router_refused_total 1.0" in metrics
+    assert post(router, {"prompt": "x", "max_tokens": 3, "best_effort": True}).status_code == 200
+    assert post(router, {"prompt": "x", "max_tokens": 3}, headers={"X-CoLLM-Best-Effort": "true"}).status_code == 200
+    assert post(router, {"prompt": "x", "max_tokens": 3, "slo": {"ttft_ms": 600_000}}).status_code == 200
+    a.queue = b.queue = 0
+    router.wait_for(lambda: all(router.edge(n).scrape.queue_depth == 0 for n in "ab"), what="scrape")
+    assert post(router, {"prompt": "x", "max_tokens": 3}).status_code == 200
 
 
 def test_mid_stream_failure_ends_with_an_sse_error_event(router, fakes):
