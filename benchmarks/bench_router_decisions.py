@@ -1,12 +1,15 @@
-"""How long one routing decision takes, by fleet size: the router's own `choose` on synthetic edge views.
+"""How long one routing decision takes, by fleet size: the router's own decision path on synthetic edges.
 
     python benchmarks/bench_router_decisions.py                 # 10, 100, 1000 edges, 2000 decisions each
     python benchmarks/bench_router_decisions.py --edges 10,100,1000,5000 --decisions 5000
 
-Each decision is what `Router.pick` asks of `collm.router.policy.choose` for one request: every
-routable edge's view (a random but plausible scrape: queue, running batch, cost coefficients,
-training load), the request, the policy. It prints p50/p99 per fleet size and policy, and the
-ratio of the p99 at the largest fleet to the smallest (linear work gives about their size ratio).
+Two paths per policy: `router` is what `Router.pick` runs per request (the healthy pool, the
+FleetTable's columns with each edge's live counts, `collm.router.fleet.choose`); `reference` is
+`collm.router.policy.choose` over one EdgeView per edge (the readable rule the router's columnar one
+is tested against). The edges have random but plausible scrapes (queue, running batch, cost
+coefficients, training load); between decisions the scrapes that polling brings at --rate requests
+per second arrive (health.max_polls_per_s bounds them). It prints p50/p99 per fleet size, policy
+and path, and the p99 ratio between the largest and the smallest fleet.
 """
 
 from __future__ import annotations
@@ -22,20 +25,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchkit import table  # noqa: E402
 
 from collm.common.stats import percentile  # noqa: E402
-from collm.router.policy import Assumptions, EdgeView, RequestView, choose  # noqa: E402
+from collm.router.app import Router  # noqa: E402
+from collm.router.config import RouterConfig  # noqa: E402
+from collm.router.policy import POLICIES, RequestView, choose  # noqa: E402
+from collm.router.state import Scrape  # noqa: E402
 
 
-def views(n: int, rng: random.Random) -> list[EdgeView]:
-    out = []
-    for i in range(n):
-        running = rng.randint(0, 8)
-        out.append(EdgeView(
-            f"edge{i}", outstanding=rng.randint(0, 4), outstanding_at_scrape=rng.randint(0, 4),
-            queue_depth=float(rng.choice([0, 0, 0, 1, 3])), running=float(running), max_running=8.0,
-            step_coef=(0.01 + rng.random() * 0.01, 0.002, 2e-5, 0.001), ttft_target_s=2.0, tpot_target_s=0.2,
-            training_active=rng.random() < 0.5, training_busy=rng.random() * 0.5, spare_capacity=rng.random(),
-            finish_rate=rng.random() * 2, unused_s=rng.random() * 3))
-    return out
+def scrape(rng: random.Random, at: float) -> Scrape:
+    return Scrape(at=at, outstanding_at=rng.randint(0, 4), queue_depth=float(rng.choice([0, 0, 0, 1, 3])),
+                  running=float(rng.randint(0, 8)), max_running=8.0,
+                  step_coef=(0.01 + rng.random() * 0.01, 0.002, 2e-5, 0.001), ttft_target_s=2.0, tpot_target_s=0.2,
+                  training_active=rng.random() < 0.5, training_busy=rng.random() * 0.5,
+                  spare_capacity=rng.random(), finish_rate=rng.random() * 2, step_token_budget=256.0,
+                  slo_safety=0.8)
+
+
+def fleet_of(n: int, rng: random.Random) -> Router:
+    cfg = RouterConfig(edges=[{"name": f"edge{i}", "url": f"http://10.0.{i // 250}.{i % 250}:8000"}
+                              for i in range(n)])
+    router = Router(cfg)
+    now = time.monotonic()
+    for e in router.edges:
+        e.healthy, e.outstanding, e.scrape = True, rng.randint(0, 4), scrape(rng, now)
+    return router
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,26 +55,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--edges", default="10,100,1000")
     p.add_argument("--decisions", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate", type=float, default=1000.0,
+                   help="requests per second the fleet routes: how many new scrapes arrive between decisions")
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.edges.split(",")]
     rng = random.Random(args.seed)
-    a = Assumptions()
     rows, p99 = [], {}
-    for policy in ("slo", "round_robin", "least_outstanding"):
+    for policy in POLICIES:
         for n in sizes:
-            fleet = views(n, rng)
-            times = []
+            router = fleet_of(n, rng)
+            router.cfg.routing.policy = policy
+            a = router.assumptions()
+            times = {"router": [], "reference": []}
+            h, pending = router.cfg.health, 0.0
             for i in range(args.decisions):
+                pending += min(n / h.interval_s, h.max_polls_per_s) / args.rate  # polls land between decisions
+                while pending >= 1:
+                    rng.choice(router.edges).scrape = scrape(rng, time.monotonic())
+                    pending -= 1
                 x = RequestView(rng.randint(20, 400), rng.randint(8, 128), rng.choice([None, 1.0, 3.0]), None)
                 t0 = time.perf_counter()
-                choose(policy, fleet, x, rng, i, a)
-                times.append(time.perf_counter() - t0)
-            p99[(policy, n)] = percentile(times, 0.99)
-            rows.append([policy, n, f"{1000 * statistics.median(times):.3f}", f"{1000 * p99[(policy, n)]:.3f}"])
-    print(table(["policy", "edges", "decision p50 (ms)", "p99 (ms)"], rows))
+                router.pick(x, exclude=[])
+                times["router"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                now = time.monotonic()
+                views = [e.view(router.cfg.routing, router.cfg.health.stale_after_s, now) for e in router.edges]
+                choose(policy, views, x, rng, i, a)
+                times["reference"].append(time.perf_counter() - t0)
+            for path, ts in times.items():
+                p99[(policy, path, n)] = percentile(ts, 0.99)
+                rows.append([policy, path, n, f"{1000 * statistics.median(ts):.3f}",
+                             f"{1000 * p99[(policy, path, n)]:.3f}"])
+    print(table(["policy", "path", "edges", "decision p50 (ms)", "p99 (ms)"], rows))
     lo, hi = sizes[0], sizes[-1]
-    print(f"slo policy: p99 at {hi} edges / at {lo} edges = {p99[('slo', hi)] / p99[('slo', lo)]:.1f}x "
-          f"(fleet {hi / lo:.0f}x larger)")
+    for path in ("router", "reference"):
+        print(f"slo policy, {path}: p99 at {hi} edges / at {lo} edges = "
+              f"{p99[('slo', path, hi)] / p99[('slo', path, lo)]:.1f}x (fleet {hi / lo:.0f}x larger)")
     return 0
 
 

@@ -50,7 +50,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
 
 from collm.router.config import RouterConfig
-from collm.router.policy import Assumptions, Decision, Estimate, RequestView, choose, estimate, unattainable
+from collm.router.fleet import FleetTable, choose
+from collm.router.policy import Assumptions, Decision, Estimate, RequestView, unattainable
 from collm.router.state import EdgeState, scrape_from_metrics
 
 log = logging.getLogger("collm.router")
@@ -209,6 +210,9 @@ class Router:
     def __init__(self, cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None):
         self.cfg = cfg
         self.edges = [EdgeState(e) for e in cfg.edges]
+        self.index = {e.name: i for i, e in enumerate(self.edges)}
+        r = cfg.routing
+        self.table = FleetTable(self.edges, r.default_max_running, r.default_slo.ttft_s, r.default_slo.tpot_s)
         self.rng = random.Random(cfg.routing.seed)
         self.counter = 0
         self.typical_output = float(cfg.routing.typical_output_tokens)
@@ -306,17 +310,19 @@ class Router:
     def pick(self, x: RequestView, exclude: list[str]) -> tuple[EdgeState, Decision, Estimate] | None:
         """The edge for request x among the healthy ones not tried yet (cooling-down ones last)."""
         now = time.monotonic()
-        healthy = [e for e in self.edges if e.healthy and e.name not in exclude]
-        if not healthy:
+        edges = self.edges
+        rows = [i for i, e in enumerate(edges) if e.healthy]
+        if exclude:
+            rows = [i for i in rows if edges[i].name not in exclude]
+        if not rows:
             return None
-        pool = [e for e in healthy if not e.cooling(now)] or healthy
+        pool = [i for i in rows if edges[i].cooldown_until <= now] or rows  # EdgeState.cooling, inlined
         stale_after = max(self.cfg.health.stale_after_s, 2 * self.poll_interval())
-        views = {e.name: e.view(self.cfg.routing, stale_after, now) for e in pool}
-        a = self.assumptions()
-        d = choose(self.cfg.routing.policy, list(views.values()), x, self.rng, self.counter, a)
+        cols = self.table.columns(pool, stale_after, now)
+        d = choose(self.cfg.routing.policy, cols, x, self.rng, self.counter, self.assumptions())
         self.counter += 1
-        est = d.estimate or estimate(views[d.edge], x, a)
-        edge = next(e for e in pool if e.name == d.edge)
+        est = d.estimate
+        edge = self.edges[self.index[d.edge]]
         edge.last_slack = est.slack
         log.debug("route to %s (%s): est TTFT %.0f ms, TPOT %.1f ms, slack %.2f", edge.name, d.why,
                   1000 * est.ttft_s, 1000 * est.tpot_s, est.slack)

@@ -52,6 +52,10 @@ request's target, the router answers 429 (Retry-After) instead of sending it to 
 past capacity, a late answer is a miss that also delays the requests behind it. A request that
 asks for best effort (`"best_effort": true`, or the X-CoLLM-Best-Effort header) is always routed.
 
+The router runs this rule in columnar form (`collm.router.fleet`: the same decisions, tested on
+random snapshots) so that one decision stays well under a millisecond at 1,000 edges; the
+functions here are the readable reference.
+
 Baselines (the same interface): `round_robin` cycles through the healthy edges; `least_outstanding`
 takes the edge with the fewest requests in flight from this router (random among equals).
 """
