@@ -2,11 +2,12 @@
 
 QUERY     instruction  {"config": ConfigRecord({"server-round": r})}
           reply        {"report": MetricRecord(LoadReport.to_record()), "identity": ConfigRecord({"edge-name": str})}
-TRAIN     instruction  {"arrays": ArrayRecord (global adapter, fp32, PEFT keys; EMPTY in round 1 =
+TRAIN     instruction  {"arrays": ArrayRecord (global adapter, fp32, PEFT keys, packed into one Array by
+                        collm.common.wire; EMPTY in round 1 =
                         start from the identical seeded initial adapter),
                         "config": ConfigRecord({"server-round", "budget-tokens", "deadline-s", "lr",
                                                  ["proximal-mu" with FedProx]})}
-          reply        {"arrays": ArrayRecord (local adapter fp32), "metrics": MetricRecord(TRAIN_KEYS),
+          reply        {"arrays": ArrayRecord (local adapter fp32, packed), "metrics": MetricRecord(TRAIN_KEYS),
                         "identity": ConfigRecord}
 EVALUATE  instruction  {"arrays": global adapter after round r, "config": {"server-round": r}}
           reply        {"metrics": MetricRecord(EVAL_KEYS), "identity": ConfigRecord}

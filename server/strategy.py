@@ -32,6 +32,7 @@ from flwr.serverapp.strategy.fedopt import FedOpt
 from flwr.supercore import log
 
 from collm.common import protocol as P
+from collm.common import wire
 
 from collm.common.protocol import LoadReport
 from collm.server.balancer import BALANCERS, BalancerParams, Decision
@@ -156,6 +157,7 @@ class CollmRounds:
         reports, no_report = self._query_reports(r, node_ids, grid)
         decisions = {d.name: d for d in self.balance(list(reports.values()), self.balancer_params)}
         messages = []
+        packed = wire.pack_record(arrays)  # one Array on the wire, not one per tensor (common/wire.py)
         for nid in node_ids:
             if nid in no_report:
                 d = Decision(self._node_names.get(nid, f"node-{nid}"), False, 0, 0.0, no_report[nid])
@@ -171,7 +173,7 @@ class CollmRounds:
             if d.take_part:
                 cfg = ConfigRecord({**base_config, P.BUDGET_TOKENS: d.budget_tokens,
                                     P.DEADLINE_S: d.deadline_s, P.LR: self.server_cfg.balancer.lr})
-                content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg})
+                content = RecordDict({self.arrayrecord_key: packed, self.configrecord_key: cfg})
                 messages.append(Message(content, dst_node_id=nid, message_type=MessageType.TRAIN))
         write_status(self.server_cfg.checkpoint_dir, {
             "round": r, "phase": "train", "at": time.time(),
@@ -226,10 +228,13 @@ class CollmRounds:
             if problem := _train_reply_problem(m.content):
                 rec["dropped"][name] = problem
                 continue
-            arrays = next(iter(m.content.array_records.values()))
-            updates.append(Update(name, float(rec["train"][name][P.NUM_EXAMPLES]),
-                                  {k: v.numpy() for k, v in arrays.items()}))
-            candidates.append(m)
+            try:
+                arrays = wire.unpack(next(iter(m.content.array_records.values())))
+            except ValueError as e:
+                rec["dropped"][name] = str(e)
+                continue
+            updates.append(Update(name, float(rec["train"][name][P.NUM_EXAMPLES]), arrays))
+            candidates.append(_keyed(m, arrays))
 
         screening = screen_updates(updates, self._global, self.server_cfg.robust.norm_k, list(self._norm_history))
         self._norm_history.extend(screening.norms[i] for i in screening.kept)
@@ -269,7 +274,7 @@ class CollmRounds:
             log(INFO, "round %d: the global adapter did not change; no evaluation, the edges keep "
                 "serving what they serve", r)
             return []
-        return super().configure_evaluate(r, arrays, config, grid)
+        return super().configure_evaluate(r, wire.pack_record(arrays), config, grid)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         r = self.real_round(server_round)
@@ -322,6 +327,16 @@ def _train_reply_problem(content: RecordDict) -> str | None:
     if not isinstance(n, (int, float)):
         return f"metrics lack a numeric '{P.NUM_EXAMPLES}'"
     return None
+
+
+def _keyed(m: Message, arrays: dict[str, np.ndarray]) -> Message:
+    """The reply with its adapter keyed by tensor name (Flower's aggregation averages tensor by tensor)."""
+    if not any(wire.is_packed(a) for a in m.content.array_records.values()):
+        return m
+    content = RecordDict(dict(m.content.items()))
+    content[next(iter(m.content.array_records))] = ArrayRecord({k: Array(np.ascontiguousarray(v))
+                                                                for k, v in arrays.items()})
+    return Message(content, metadata=m.metadata)
 
 
 def _common_metric_keys(replies: list[Message], r: int) -> list[Message]:

@@ -153,6 +153,48 @@ def test_a_busy_edge_is_avoided(cluster):
                     timeout=30, what="e1 idle again")
 
 
+def test_past_capacity_the_router_refuses_instead_of_serving_late(cluster):
+    """Every edge filled directly with long streams: a request whose TTFT target no edge can meet is
+    refused by the router at once (429, nothing sent to an edge); once the load is gone it is served."""
+    router, edges = cluster
+    stop = threading.Event()
+
+    def hog(url):
+        body = {"prompt": "x " * 40, "max_tokens": 700, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for _ in r.iter_raw():
+                if stop.is_set():
+                    return
+
+    hogs = [threading.Thread(target=hog, args=(e.url,), daemon=True) for e in edges for _ in range(12)]
+    for t in hogs:
+        t.start()
+    tight = {"slo": {"ttft_ms": 300}}
+
+    def refused() -> float:
+        text = httpx.get(router.url + "/metrics").text
+        return float(next(line.split()[1] for line in text.splitlines() if line.startswith("collm_router_refused_total")))
+
+    before = refused()
+    try:
+        router.wait_for(lambda: all((s := router.edge(e.name).scrape) is not None and s.queue_depth >= 3
+                                    for e in edges), timeout=30, what="every edge's queue in the router's view")
+        t0 = time.perf_counter()
+        r = complete(router, "refuse me", **tight)
+        assert r.status_code == 429, (r.status_code, r.text, views(router))
+        assert r.json()["error"]["code"] == "slo_unattainable" and "no edge can start" in r.json()["error"]["message"]
+        assert "X-CoLLM-Edge" not in r.headers and int(r.headers["Retry-After"]) >= 1
+        assert time.perf_counter() - t0 < 1.0  # refused at once, not after waiting in a queue
+        assert refused() == before + 1
+    finally:
+        stop.set()
+        for t in hogs:
+            t.join(60)
+    router.wait_for(lambda: all(router.edge(e.name).scrape.queue_depth + router.edge(e.name).scrape.running == 0
+                                for e in edges), timeout=30, what="every edge idle again")
+    assert complete(router, "serve me", **tight).status_code == 200
+
+
 def test_streaming_is_passed_through_unbuffered(cluster):
     router, _ = cluster
     body = {"prompt": "stream please", "max_tokens": 300, "ignore_eos": True, "stream": True, "temperature": 0}

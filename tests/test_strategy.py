@@ -19,6 +19,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from collm.common import wire
 from collm.common.config import deep_merge, validate_config
 from collm.server.app import app as server_app
 from collm.server.app import run, summary_table
@@ -51,6 +52,7 @@ class FakeEdge:
     extra_metric: bool = False
     train_configs: list[dict] = field(default_factory=list)
     train_arrays: list[dict] = field(default_factory=list)
+    keyed_reply: bool = False  # reply with one Array per tensor (an older edge) instead of packed
     queries: int = 0
     evals: list[int] = field(default_factory=list)
 
@@ -86,7 +88,7 @@ def _train(msg: Message, context: Context) -> Message:
     edge = EDGES[context.node_config["name"]]
     cfg = dict(msg.content["config"])
     rec = msg.content["arrays"]
-    start = {k: v.numpy() for k, v in rec.items()} or seeded_initial_adapter()
+    start = wire.unpack(rec) or seeded_initial_adapter()  # what the server sends is packed, like a real edge reads it
     edge.train_configs.append(cfg)
     edge.train_arrays.append({k: v.copy() for k, v in start.items()})
     scale = 100.0 if edge.scale_from_round and cfg["server-round"] >= edge.scale_from_round else 1.0
@@ -97,8 +99,8 @@ def _train(msg: Message, context: Context) -> Message:
     metrics = MetricRecord({"num-examples": cfg["budget-tokens"] // 100, "train-loss": 2.0 - edge.delta(),
                             "train-tokens": cfg["budget-tokens"], "train-steps": 3, "deadline-hit": 0,
                             "seconds": 1.0, **({"extra": 1.0} if edge.extra_metric else {})})
-    return Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in local.items()}),
-                               "metrics": metrics, "identity": _identity(edge)}), reply_to=msg)
+    arrays = ArrayRecord({k: Array(v) for k, v in local.items()}) if edge.keyed_reply else wire.pack(local)
+    return Message(RecordDict({"arrays": arrays, "metrics": metrics, "identity": _identity(edge)}), reply_to=msg)
 
 
 @client_app.evaluate()
@@ -106,8 +108,8 @@ def _evaluate(msg: Message, context: Context) -> Message:
     edge = EDGES[context.node_config["name"]]
     rnd = int(msg.content["config"]["server-round"])
     edge.evals.append(rnd)
-    arrays = msg.content["arrays"]
-    mean_abs = float(np.mean([np.abs(v.numpy()).mean() for v in arrays.values()])) if len(arrays) else 0.0
+    arrays = wire.unpack(msg.content["arrays"])
+    mean_abs = float(np.mean([np.abs(v).mean() for v in arrays.values()])) if arrays else 0.0
     metrics = MetricRecord({"num-examples": 16, "eval-loss": 3.0 - mean_abs - 0.1 * edge.index,
                             "eval-accuracy": 0.5, "adapter-version": float(rnd)})
     return Message(RecordDict({"metrics": metrics, "identity": _identity(edge)}), reply_to=msg)
@@ -197,7 +199,7 @@ def fedavg(states: list[dict], weights: list[float]) -> dict:
 
 # ------------------------------------------------------------------------------ tests
 def test_two_rounds_balancer_budgets_and_checkpoints(tmp_path):
-    grid = make_grid()
+    grid = make_grid(busy={"keyed_reply": True})  # one edge replies keyed by tensor: both forms aggregate
     cfg = server_cfg(tmp_path)
     result = build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=2, timeout=cfg.round_timeout_s)
 
