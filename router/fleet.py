@@ -181,19 +181,20 @@ class FleetTable:
         edges, seen = self.edges, self._seen
         for i in [i for i in rows if edges[i].scrape is not seen[i]]:
             self._sync(i)
-        idx = np.asarray(rows, dtype=np.intp)
+        whole = len(rows) == len(edges)  # the usual case: every edge routable, no per-decision gather
+        idx = slice(None) if whole else np.asarray(rows, dtype=np.intp)
         fresh = now - self.at[idx] <= stale_after_s
-        d = {k: v[idx] for k, v in self.data.items()}
+        d = {k: v[idx] for k, v in self.data.items()}  # views when whole: never written below
         if not fresh.all():
             stale = ~fresh
             for k, blank in (("outstanding_at", 0.0), ("queue", np.nan), ("running", np.nan), ("training", False),
                              ("busy", 0.0), ("spare", 1.0), ("finish_rate", 0.0)):
-                d[k][stale] = blank
-        edges = [edges[i] for i in rows]
+                d[k] = np.where(stale, blank, d[k])
+        sub = edges if whole else [edges[i] for i in rows]
         return Columns(
-            names=[self.names[i] for i in rows],
-            outstanding=np.fromiter((e.outstanding for e in edges), float, len(edges)),
-            unused=now - np.fromiter((e.last_sent for e in edges), float, len(edges)), **d)
+            names=self.names if whole else [self.names[i] for i in rows],
+            outstanding=np.fromiter([e.outstanding for e in sub], float, len(sub)),
+            unused=now - np.fromiter([e.last_sent for e in sub], float, len(sub)), **d)
 
 
 def choose(policy: str, c: Columns, x: RequestView, rng: random.Random, counter: int = 0,

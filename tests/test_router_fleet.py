@@ -90,11 +90,11 @@ def test_fleet_table_gives_the_rule_what_edge_state_view_gives():
                 e.scrape = _scrape(rng, now - 5.0)  # stale: only what it says about the edge counts
             e.outstanding = rng.randint(0, 4)
             e.last_sent = now - 3 * rng.random()
-        rows = sorted(rng.sample(range(len(edges)), 8))
-        got = table.columns(rows, stale_after, now)
-        want = fleet.columns_from_views([edges[i].view(routing, stale_after, now) for i in rows])
-        assert got.names == want.names
-        for field in fleet.Columns.__dataclass_fields__:
-            if field != "names":
-                np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+        for rows in (sorted(rng.sample(range(len(edges)), 8)), list(range(len(edges)))):  # some, all
+            got = table.columns(rows, stale_after, now)
+            want = fleet.columns_from_views([edges[i].view(routing, stale_after, now) for i in rows])
+            assert got.names == want.names
+            for field in fleet.Columns.__dataclass_fields__:
+                if field != "names":
+                    np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
         now += 1.0
