@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,9 +35,10 @@ from benchkit import table  # noqa: E402
 
 from collm.common.config import load_config  # noqa: E402
 from collm.common.stats import ratio_ci  # noqa: E402
-from collm.lab.bench import ModeRun, Workload, find_capacity, measure  # noqa: E402
+from collm.lab.bench import ModeRun, Workload, find_capacity, interrupt_on_signal, measure  # noqa: E402
 from collm.lab.bench_config import BenchConfig  # noqa: E402
-from collm.lab.topology import BIN_DIR, free_port, wait_http  # noqa: E402
+from collm.common.procs import BIN_DIR  # noqa: E402
+from collm.lab.topology import free_port, wait_http  # noqa: E402
 
 VARIANTS = {"slo+admission": {"policy": "slo", "admission": True},
             "slo": {"policy": "slo", "admission": False},
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=float, help="serve-only capacity in req/s (default: measure it)")
     p.add_argument("--out", default="runs/bench-router-overload")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, interrupt_on_signal)  # SIGTERM stops the edges and routers, like ^C
     fractions = [float(f) for f in args.fractions.split(",")]
     overrides = {"out": args.out, "modes": ["serve-only"]}
     if args.capacity:
