@@ -45,10 +45,11 @@ VARIANTS = {"slo+admission": {"policy": "slo", "admission": True},
             "round_robin": {"policy": "round_robin"}}
 
 
-def start_routers(run: ModeRun) -> dict[str, str]:
+def start_routers(run: ModeRun, margin: float) -> dict[str, str]:
     """One collm-router per variant in front of the run's edges; name -> URL."""
     urls = {}
     for name, routing in VARIANTS.items():
+        routing = {**routing, "admission_margin": margin} if routing.get("admission") else routing
         port = free_port()
         cfg = {"api": {"host": "127.0.0.1", "port": port}, "routing": routing,
                "edges": [{"name": e.name, "url": run.urls[e.name]} for e in run.edges]}
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fractions", default="0.8,1.5,2.0", help="load points as fractions of capacity")
     p.add_argument("--seconds", type=float, default=30.0, help="length of each load point")
     p.add_argument("--capacity", type=float, help="serve-only capacity in req/s (default: measure it)")
+    p.add_argument("--margin", type=float, default=1.0, help="routing.admission_margin of the admission router")
     p.add_argument("--out", default="runs/bench-router-overload")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, interrupt_on_signal)  # SIGTERM stops the edges and routers, like ^C
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"config": cfg.model_dump(mode="json"), "points": []}
     try:
         run.start()
-        routers = start_routers(run)
+        routers = start_routers(run, args.margin)
         time.sleep(cfg.warmup_s)
         with tqdm(total=len(fractions) * len(VARIANTS), desc="router-overload", unit="point", file=sys.stdout) as bar:
             if cfg.capacity.rate:

@@ -354,7 +354,7 @@ class Router:
             if picked is None:
                 break
             edge, decision, est = picked
-            if attempt == 1 and self.cfg.routing.admission and not x.best_effort and unattainable(decision):
+            if attempt == 1 and self.cfg.routing.admission and not x.best_effort and unattainable(decision, self.cfg.routing.admission_margin):
                 return self._refuse(decision)
             tried.append(edge.name)
             if attempt == 2:

@@ -66,6 +66,9 @@ class RoutingConfig(Strict):
     retry_429: bool = Field(True, description="retry a 429 (edge queue full) once on another edge")
     admission: bool = Field(True, description="slo policy: answer 429 when no edge's estimated TTFT meets the "
                             "request's target, unless it asks for best effort")
+    admission_margin: float = Field(1.0, ge=1.0, allow_inf_nan=False,
+                                    description="refuse only when the soonest estimated TTFT is past this many "
+                                                "times the target (the estimate is pessimistic inside bursts)")
     chars_per_token: float = Field(4.0, gt=0, description="prompt size estimate: characters per token")
     typical_output_tokens: int = Field(64, ge=1, description="prior of the output length of running requests "
                                                              "(then a moving average of what the edges returned)")

@@ -48,7 +48,8 @@ whose coefficients were fit while it was overloaded would otherwise look slow fo
 (seen in benchmarks/bench_router.py). An idle edge serves a probe at its bare step cost.
 
 Admission (`unattainable`, routing.admission): when even the soonest edge's TTFT^ is past the
-request's target, the router answers 429 (Retry-After) instead of sending it to be served late:
+request's target (times routing.admission_margin), the router answers 429 (Retry-After) instead
+of sending it to be served late:
 past capacity, a late answer is a miss that also delays the requests behind it. A request that
 asks for best effort (`"best_effort": true`, or the X-CoLLM-Best-Effort header) is always routed.
 
@@ -136,12 +137,13 @@ class Decision:
     soonest: Estimate | None = None  # slo policy: the edge that would give x its first token soonest
 
 
-def unattainable(d: Decision) -> bool:
-    """Admission: no edge's estimated TTFT meets the request's target (the router answers 429).
+def unattainable(d: Decision, margin: float = 1.0) -> bool:
+    """Admission: no edge's estimated TTFT is within `margin` times the request's target (the
+    router answers 429).
 
     Only the TTFT is judged: it is what a queue destroys, and a request refused now can retry
     elsewhere or later; the TPOT estimate is left to the edges' own co-execution rule."""
-    return d.soonest is not None and d.soonest.ttft_s > d.soonest.ttft_target_s
+    return d.soonest is not None and d.soonest.ttft_s > margin * d.soonest.ttft_target_s
 
 
 def edge_load(e: EdgeView) -> float:

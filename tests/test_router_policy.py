@@ -181,13 +181,14 @@ def test_admission_refuses_exactly_when_the_soonest_ttft_misses_the_target():
     coef = (0.01, 0.002, 2e-4, 0.001)
     x = RequestView(100, 32)
     seen = set()
-    for q in range(0, 200, 5):
+    for q in range(0, 200):
         views = [EdgeView("busy", 0, 0, 30.0, 16.0, 16, coef, 2.0, 0.2),
                  EdgeView("calm", 0, 0, float(q), 16.0, 16, coef, 2.0, 0.2)]
         d = choose("slo", views, x, _random.Random(0), a=a)
         soonest = min((estimate(v, x, a) for v in views), key=lambda e: e.ttft_s)
         assert d.soonest == soonest
         assert unattainable(d) == (soonest.ttft_s > 2.0)
-        seen.add(unattainable(d))
-    assert seen == {True, False}  # the sweep crosses the target
+        assert unattainable(d, margin=1.1) == (soonest.ttft_s > 2.2)  # routing.admission_margin
+        seen.add((unattainable(d), unattainable(d, margin=1.1)))
+    assert seen == {(True, True), (True, False), (False, False)}  # the sweep crosses both lines
     assert choose("round_robin", views, x, _random.Random(0)).soonest is None  # the baselines never refuse
