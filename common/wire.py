@@ -68,4 +68,9 @@ def unpack_record(record: ArrayRecord) -> ArrayRecord:
     """The keyed ArrayRecord of a packed one (Flower's aggregation averages tensor by tensor)."""
     if not is_packed(record):
         return record
-    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in unpack(record).items()})
+    return keyed(unpack(record))
+
+
+def keyed(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    """An ArrayRecord with one Array per tensor (what Flower's aggregation averages)."""
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})

@@ -334,8 +334,7 @@ def _keyed(m: Message, arrays: dict[str, np.ndarray]) -> Message:
     if not any(wire.is_packed(a) for a in m.content.array_records.values()):
         return m
     content = RecordDict(dict(m.content.items()))
-    content[next(iter(m.content.array_records))] = ArrayRecord({k: Array(np.ascontiguousarray(v))
-                                                                for k, v in arrays.items()})
+    content[next(iter(m.content.array_records))] = wire.keyed(arrays)
     return Message(content, metadata=m.metadata)
 
 
