@@ -53,7 +53,10 @@ def test_every_mode_replays_the_same_points_and_the_numbers_hold_together(bench)
         assert [p["rate"] for p in pts] == sorted(p["rate"] for p in pts)
         for p, f in zip(pts, fractions):
             assert p["rate"] == pytest.approx(f * cap["rate"], rel=1e-6)
-            assert p["failed"] == 0, (mode, p["fraction"])
+            # nothing fails but what an edge sheds as too late (429): the naive baseline, which trains flat out,
+            # may make requests wait past their TTFT target
+            failures = [o["status"] for o in p["outcomes"] if o["status"] != 200]
+            assert failures == [] or (mode == "colocated-naive" and set(failures) == {429}), (mode, p["fraction"], failures)
             lo, hi = p["attainment_ci"]
             assert lo <= p["slo_attainment"] <= hi
             assert p["goodput_rps"] <= p["rate"] + 1e-9 and len(p["slo_met"]) == p["requests"]
