@@ -87,6 +87,23 @@ def test_the_restarted_edge_caught_up_and_took_part_again(lab):
     assert "edge1" in m3["eval"]  # it rejoined and evaluated the last global adapter
 
 
+def parent_of(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether `ancestor` is on `pid`'s parent chain. The ServerApp's command line names neither the
+    lab nor its folder: lab -> flower-superlink -> flower-superexec -> flwr-serverapp."""
+    while pid > 1:
+        pid = parent_of(pid)
+        if pid == ancestor:
+            return True
+    return False
+
+
 @pytest.fixture(scope="module")
 def serverapp_killed(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults-server") / "run"
@@ -102,7 +119,7 @@ def serverapp_killed(tmp_path_factory):
         while time.time() < deadline and proc.poll() is None and killed_at is None:
             if (read_status(out / "checkpoints") or {}).get("round") == 2:
                 for pid in processes_mentioning("flwr-serverapp"):
-                    if str(out) in Path(f"/proc/{pid}/cmdline").read_text(errors="replace") or True:
+                    if descends_from(pid, proc.pid):  # this lab's, not another run's on the machine
                         os.kill(pid, signal.SIGKILL)
                         killed_at = time.time()
             time.sleep(0.1)
