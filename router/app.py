@@ -310,13 +310,9 @@ class Router:
     def pick(self, x: RequestView, exclude: list[str]) -> tuple[EdgeState, Decision, Estimate] | None:
         """The edge for request x among the healthy ones not tried yet (cooling-down ones last)."""
         now = time.monotonic()
-        edges = self.edges
-        rows = [i for i, e in enumerate(edges) if e.healthy]
-        if exclude:
-            rows = [i for i in rows if edges[i].name not in exclude]
-        if not rows:
+        pool = self.table.routable(now, [self.index[n] for n in exclude if n in self.index])
+        if pool is None:
             return None
-        pool = [i for i in rows if edges[i].cooldown_until <= now] or rows  # EdgeState.cooling, inlined
         stale_after = max(self.cfg.health.stale_after_s, 2 * self.poll_interval())
         cols = self.table.columns(pool, stale_after, now)
         d = choose(self.cfg.routing.policy, cols, x, self.rng, self.counter, self.assumptions())

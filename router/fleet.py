@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from collm.router.policy import POLICIES, Assumptions, Decision, EdgeView, Estimate, RequestView
+from collm.router.state import MIRRORED
 
 DEFAULT_COEF = EdgeView("", 0).step_coef  # what the rule assumes of an edge never scraped
 
@@ -142,29 +143,49 @@ def choose_slo(c: Columns, x: RequestView, rng: random.Random, a: Assumptions = 
 
 
 class FleetTable:
-    """The router's edges as columns. `columns(rows, ...)` gives the rule's input for some of them:
-    the scrape part is copied in when an edge has a new scrape; the router's own counts (requests in
-    flight, last sent) are read from the edges at each decision, so they can never drift."""
-
-    LOAD = ("outstanding_at", "queue", "running", "training", "busy", "spare", "finish_rate")
+    """The router's edges as columns, kept current by the edges themselves: each `EdgeState` writes
+    its health, cooldown, requests in flight, last send and new scrapes through to its row as they
+    change (`attach`), so `columns(rows, ...)` builds the rule's input from arrays alone, with no
+    Python work per edge per decision."""
 
     def __init__(self, edges: list, default_max_running: float, ttft_target_s: float, tpot_target_s: float):
-        self.edges = edges  # EdgeState objects (name, outstanding, last_sent, scrape)
+        self.edges = edges  # EdgeState objects
         N = len(edges)
         self.names = [e.name for e in edges]
-        self._seen: list[object] = [None] * N
+        self._names = np.array(self.names, dtype=object)
+        self.healthy = np.zeros(N, bool)
+        self.cooldown_until = np.zeros(N)
+        self.outstanding = np.zeros(N)
+        self.last_sent = np.zeros(N)
         self.at = np.full(N, -np.inf)
-        self.data = {
-            "outstanding_at": np.zeros(N), "queue": np.full(N, np.nan), "running": np.full(N, np.nan),
-            "max_running": np.full(N, float(default_max_running)),
-            **{f"c{i}": np.full(N, DEFAULT_COEF[i]) for i in range(4)},
-            "ttft_target": np.full(N, ttft_target_s), "tpot_target": np.full(N, tpot_target_s),
-            "training": np.zeros(N, bool), "busy": np.zeros(N), "spare": np.ones(N), "finish_rate": np.zeros(N),
-            "budget": np.full(N, np.nan), "safety": np.full(N, np.nan)}
+        self.blank = {  # a row never scraped: the router's defaults (EdgeState.view with no scrape)
+            "outstanding_at": 0.0, "queue": np.nan, "running": np.nan, "max_running": float(default_max_running),
+            **{f"c{i}": DEFAULT_COEF[i] for i in range(4)}, "ttft_target": ttft_target_s,
+            "tpot_target": tpot_target_s, "training": False, "busy": 0.0, "spare": 1.0, "finish_rate": 0.0,
+            "budget": np.nan, "safety": np.nan}
+        self.data = {k: np.full(N, v, dtype=bool if isinstance(v, bool) else float) for k, v in self.blank.items()}
+        for i, e in enumerate(edges):
+            self.attach(i, e)
 
-    def _sync(self, i: int) -> None:
-        s = self._seen[i] = self.edges[i].scrape
+    def attach(self, i: int, edge) -> None:
+        """Copy the edge's state into row i and have it write its changes there from now on."""
+        edge.mirror = lambda name, value: self._write(i, name, value)
+        for name in MIRRORED:
+            self._write(i, name, getattr(edge, name))
+
+    def _write(self, i: int, name: str, value) -> None:
+        if name == "scrape":
+            self._sync(i, value)
+        else:
+            getattr(self, name)[i] = value
+
+    def _sync(self, i: int, s) -> None:
         d = self.data
+        if s is None:
+            self.at[i] = -np.inf
+            for k, v in self.blank.items():
+                d[k][i] = v
+            return
         self.at[i] = s.at
         d["outstanding_at"][i], d["queue"][i], d["running"][i] = s.outstanding_at, s.queue_depth, s.running
         d["max_running"][i] = s.max_running
@@ -175,26 +196,35 @@ class FleetTable:
         d["finish_rate"][i], d["budget"][i], d["safety"][i] = s.finish_rate, _opt(s.step_token_budget), \
             _opt(s.slo_safety)
 
-    def columns(self, rows: list[int], stale_after_s: float, now: float) -> Columns:
-        """The rule's input for edges `rows`, as `EdgeState.view` would give it one by one: an edge
-        whose scrape is older than `stale_after_s` keeps what it says about the edge, not its load."""
-        edges, seen = self.edges, self._seen
-        for i in [i for i in rows if edges[i].scrape is not seen[i]]:
-            self._sync(i)
-        whole = len(rows) == len(edges)  # the usual case: every edge routable, no per-decision gather
-        idx = slice(None) if whole else np.asarray(rows, dtype=np.intp)
+    def routable(self, now: float, exclude: list[int] = ()) -> np.ndarray | None:
+        """Rows a request may go to: healthy, not among `exclude`, and not cooling down unless every
+        such edge is (then the cooling ones too). None: no edge at all."""
+        ok = self.healthy.copy()
+        ok[list(exclude)] = False
+        if not ok.any():
+            return None
+        warm = ok & (self.cooldown_until <= now)
+        return warm if warm.any() else ok
+
+    def columns(self, rows, stale_after_s: float, now: float) -> Columns:
+        """The rule's input for edges `rows` (indices or a boolean mask), as `EdgeState.view` would
+        give it one by one: an edge whose scrape is older than `stale_after_s` keeps what it says
+        about the edge, not its load."""
+        rows = np.asarray(rows)
+        if rows.dtype != bool:
+            mask = np.zeros(len(self.names), bool)
+            mask[rows.astype(np.intp)] = True
+            rows = mask
+        whole = bool(rows.all())  # the usual case: every edge routable, no per-decision gather
+        idx = slice(None) if whole else np.flatnonzero(rows)
         fresh = now - self.at[idx] <= stale_after_s
         d = {k: v[idx] for k, v in self.data.items()}  # views when whole: never written below
         if not fresh.all():
             stale = ~fresh
-            for k, blank in (("outstanding_at", 0.0), ("queue", np.nan), ("running", np.nan), ("training", False),
-                             ("busy", 0.0), ("spare", 1.0), ("finish_rate", 0.0)):
-                d[k] = np.where(stale, blank, d[k])
-        sub = edges if whole else [edges[i] for i in rows]
-        return Columns(
-            names=self.names if whole else [self.names[i] for i in rows],
-            outstanding=np.fromiter([e.outstanding for e in sub], float, len(sub)),
-            unused=now - np.fromiter([e.last_sent for e in sub], float, len(sub)), **d)
+            for k in ("outstanding_at", "queue", "running", "training", "busy", "spare", "finish_rate"):
+                d[k] = np.where(stale, self.blank[k], d[k])
+        return Columns(names=self.names if whole else self._names[idx].tolist(),
+                       outstanding=self.outstanding[idx].copy(), unused=now - self.last_sent[idx], **d)
 
 
 def choose(policy: str, c: Columns, x: RequestView, rng: random.Random, counter: int = 0,

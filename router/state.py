@@ -80,8 +80,15 @@ def scrape_from_metrics(text: str, at: float, outstanding_at: int) -> Scrape:
         step_token_budget=s.get(M.STEP_TOKEN_BUDGET), slo_safety=s.get(M.SLO_SAFETY))
 
 
+MIRRORED = ("healthy", "cooldown_until", "outstanding", "last_sent", "scrape")
+
+
 @dataclass
 class EdgeState:
+    """One edge as the router sees it. Fields the routing decision reads (`MIRRORED`) are written
+    through to the router's `FleetTable` as they change, so a decision reads arrays instead of
+    walking every edge object (`fleet.FleetTable.attach`)."""
+
     endpoint: EdgeEndpoint
     healthy: bool = False
     good_polls: int = 0
@@ -93,6 +100,12 @@ class EdgeState:
     last_slack: float | None = None
     last_sent: float = field(default_factory=time.monotonic)
     last_progress: float = 0.0  # monotonic time the edge last sent this router response bytes
+    mirror: Callable[[str, object], None] | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name in MIRRORED and (mirror := self.__dict__.get("mirror")) is not None:
+            mirror(name, value)
 
     @property
     def name(self) -> str:

@@ -75,6 +75,7 @@ def _scrape(rng: random.Random, at: float) -> Scrape:
 
 
 def test_fleet_table_gives_the_rule_what_edge_state_view_gives():
+    """The table's rows follow every change of the edges (written through) and match their views."""
     rng = random.Random(7)
     routing = RoutingConfig()
     edges = [EdgeState(EdgeEndpoint(name=f"e{i}", url=f"http://127.0.0.1:{9000 + i}")) for i in range(12)]
@@ -90,7 +91,16 @@ def test_fleet_table_gives_the_rule_what_edge_state_view_gives():
                 e.scrape = _scrape(rng, now - 5.0)  # stale: only what it says about the edge counts
             e.outstanding = rng.randint(0, 4)
             e.last_sent = now - 3 * rng.random()
-        for rows in (sorted(rng.sample(range(len(edges)), 8)), list(range(len(edges)))):  # some, all
+            e.healthy = rng.random() < 0.8
+            e.cooldown_until = now + (1.0 if rng.random() < 0.3 else -1.0)
+            if rng.random() < 0.05:
+                e.scrape = None  # a restarted edge: back to the router's defaults
+        exclude = rng.sample(range(len(edges)), 2)
+        ok = [i for i, e in enumerate(edges) if e.healthy and i not in exclude]
+        want_pool = [i for i in ok if not edges[i].cooling(now)] or ok  # healthy, not tried, cooling last
+        pool = table.routable(now, exclude)
+        assert (pool is None and not ok) or list(np.flatnonzero(pool)) == want_pool
+        for rows in (sorted(rng.sample(range(len(edges)), 8)), list(range(len(edges))), want_pool):
             got = table.columns(rows, stale_after, now)
             want = fleet.columns_from_views([edges[i].view(routing, stale_after, now) for i in rows])
             assert got.names == want.names

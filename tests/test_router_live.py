@@ -129,7 +129,8 @@ def test_a_busy_edge_is_avoided(cluster):
     stop = threading.Event()
 
     def hog():
-        body = {"prompt": "x " * 40, "max_tokens": 700, "ignore_eos": True, "stream": True}
+        body = {"prompt": "x " * 40, "max_tokens": 700, "ignore_eos": True, "stream": True,
+                "slo": {"ttft_ms": 60000, "tpot_ms": 60000}}  # they wait in the queue, not shed as late
         with httpx.stream("POST", e1.url + "/v1/completions", json=body, timeout=120) as r:
             for _ in r.iter_raw():
                 if stop.is_set():
@@ -160,13 +161,16 @@ def test_past_capacity_the_router_refuses_instead_of_serving_late(cluster):
     stop = threading.Event()
 
     def hog(url):
-        body = {"prompt": "x " * 40, "max_tokens": 700, "ignore_eos": True, "stream": True}
+        body = {"prompt": "x " * 40, "max_tokens": 700, "ignore_eos": True, "stream": True,
+                "slo": {"ttft_ms": 60000, "tpot_ms": 60000}}  # they wait in the queue, not shed as late
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
             for _ in r.iter_raw():
                 if stop.is_set():
                     return
 
-    hogs = [threading.Thread(target=hog, args=(e.url,), daemon=True) for e in edges for _ in range(12)]
+    # 8 running + 12 queued per edge: the soonest predicted TTFT is well past 300 ms whatever the tiny
+    # edges' fitted step costs (with 4 queued it sat at 0.25-0.4 s, either side of the target)
+    hogs = [threading.Thread(target=hog, args=(e.url,), daemon=True) for e in edges for _ in range(20)]
     for t in hogs:
         t.start()
     tight = {"slo": {"ttft_ms": 300}}
@@ -177,7 +181,7 @@ def test_past_capacity_the_router_refuses_instead_of_serving_late(cluster):
 
     before = refused()
     try:
-        router.wait_for(lambda: all((s := router.edge(e.name).scrape) is not None and s.queue_depth >= 3
+        router.wait_for(lambda: all((s := router.edge(e.name).scrape) is not None and s.queue_depth >= 8
                                     for e in edges), timeout=30, what="every edge's queue in the router's view")
         t0 = time.perf_counter()
         r = complete(router, "refuse me", **tight)
