@@ -44,17 +44,24 @@ class _HFVariant:
 
 
 class _OursVariant:
-    """Prefill then decode through our ModelRunner and slot KV pool (the engine's serving path)."""
+    """Prefill then decode through our ModelRunner and slot KV pool (the engine's serving path).
+    `adapter` is one version for every sequence, or a list: the batch split into that many contiguous
+    row groups, each with its own version (requests pinned to different versions in one step)."""
 
     def __init__(self, name: str, runner, pool, adapter):
-        self.name, self.runner, self.pool, self.adapter = name, runner, pool, adapter
+        self.name, self.runner, self.pool = name, runner, pool
+        self.adapters = adapter if isinstance(adapter, list) else [adapter]
         self.pos = 0
         self.toks: list[int] = []
+
+    def _adapter(self, i: int, n: int):
+        return self.adapters[i * len(self.adapters) // n]
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         from collm.edge_client.model.runner import Segment
 
-        segs = [Segment(i, 0, p, self.adapter, True) for i, p in enumerate(prompts)]
+        n = len(prompts)
+        segs = [Segment(i, 0, p, self._adapter(i, n), True) for i, p in enumerate(prompts)]
         logits = self.runner.forward(segs, self.pool)
         self.toks = logits.argmax(-1).tolist()
         self.pos = len(prompts[0])
@@ -63,7 +70,8 @@ class _OursVariant:
     def decode(self) -> None:
         from collm.edge_client.model.runner import Segment
 
-        segs = [Segment(i, self.pos, [t], self.adapter, True) for i, t in enumerate(self.toks)]
+        n = len(self.toks)
+        segs = [Segment(i, self.pos, [t], self._adapter(i, n), True) for i, t in enumerate(self.toks)]
         self.toks = self.runner.forward(segs, self.pool).argmax(-1).tolist()
         self.pos += 1
 
@@ -111,6 +119,12 @@ def bench_kernels(which: str, args, dev: torch.device) -> dict:
         _OursVariant("ours-base", ModelRunner(base), pool, None),  # runner over the plain HF modules
         _OursVariant("ours-lora", ModelRunner(ours_model), pool, weights),
     ]
+    # the same runner with 2 and 4 distinct versions in the batch (at batch 1: one version)
+    others = [layers.serving_weights(random_adapter_state(layers, seed=2 + k, b_scale=b_scale), 2 + k, dev, lm.dtype)
+              for k in range(3)]
+    runner_lora = variants[-1].runner
+    variants += [_OursVariant("ours-lora-2v", runner_lora, pool, [weights, others[0]]),
+                 _OursVariant("ours-lora-4v", runner_lora, pool, [weights, *others])]
     g = torch.Generator().manual_seed(0)
     prompts8 = [torch.randint(3, vocab, (P,), generator=g).tolist() for _ in range(8)]
 
@@ -120,6 +134,7 @@ def bench_kernels(which: str, args, dev: torch.device) -> dict:
         v.reset()
     checks = {
         "ours-lora vs peft-unmerged": (lg["ours-lora"] - lg["peft-unmerged"]).abs().max().item(),
+        "ours-lora-2v row 0 vs ours-lora row 0": (lg["ours-lora-2v"][0] - lg["ours-lora"][0]).abs().max().item(),
         "peft-merged vs peft-unmerged": (lg["peft-merged"] - lg["peft-unmerged"]).abs().max().item(),
         "ours-base vs hf-base": (lg["ours-base"] - lg["hf-base"]).abs().max().item(),
         "adapter effect (peft-unmerged vs hf-base)": (lg["peft-unmerged"] - lg["hf-base"]).abs().max().item(),
@@ -181,15 +196,16 @@ def bench_kernels(which: str, args, dev: torch.device) -> dict:
                 "peft-unmerged / peft-merged": ratio(m["peft-unmerged"], m["peft-merged"]),
                 "peft-unmerged / hf-base": ratio(m["peft-unmerged"], m["hf-base"]),
                 "ours-lora / peft-unmerged": ratio(m["ours-lora"], m["peft-unmerged"]),
+                "ours-lora-4v / ours-lora": ratio(m["ours-lora-4v"], m["ours-lora"]),
             }
     out["ratios"] = rat
-    del variants, peft_m, merged, ours_model, base, lm
+    del variants, peft_m, merged, ours_model, base, lm, runner_lora, others
     gc.collect()
     return out
 
 
 def print_kernels(res: dict, batches) -> None:
-    names = ["hf-base", "peft-unmerged", "peft-merged", "ours-base", "ours-lora"]
+    names = ["hf-base", "peft-unmerged", "peft-merged", "ours-base", "ours-lora", "ours-lora-2v", "ours-lora-4v"]
     rows = []
     for phase in ("decode", "prefill"):
         for B in batches:
@@ -220,3 +236,6 @@ def print_kernels(res: dict, batches) -> None:
                 noisy = all(n_ >= 0.15 for n_ in res["round_noise"]["b8"])
                 print(f"target: batch-8 decode, ours-lora <= 1.10x {base}: {x:.3f}x -> {verdict}"
                       + (" [NOISY: no quiet round]" if noisy else ""))
+            x = r["ours-lora-4v / ours-lora"]
+            print(f"target: batch-8 decode, 4 versions <= 1.10x one version: {x:.3f}x -> "
+                  + ("MET" if x is not None and x <= 1.10 else "NOT MET"))
