@@ -24,10 +24,6 @@ def test_runner_matches_hf_forward_with_mixed_versions_and_chunked_prefill():
     w2 = eng.layers.serving_weights(random_adapter_state(eng, 2), 2, eng.device, eng.lm.dtype)
     seqs = [prompt(eng, p) for p in PROMPTS[:3]]
     ws = [w1, w2, w1]
-    # the runner's fused q/k/v and gate/up matmuls are in use, and the base is still stored once
-    assert all(p.qkv is not None and p.qkv.lora and p.gate_up is not None for p in eng.runner.plans)
-    attn = eng.runner.layers[0].self_attn
-    assert attn.k_proj.base.weight.untyped_storage().data_ptr() == eng.runner.plans[0].qkv.weight.untyped_storage().data_ptr()
 
     def reference(seq, w):
         with torch.inference_mode(), bind(ServingBinding([(0, len(seq), w)])):
@@ -50,7 +46,7 @@ def test_runner_matches_hf_forward_with_mixed_versions_and_chunked_prefill():
         out = eng.runner.forward(segs, eng.pool)
         for row, i in enumerate((0, 2, 1)):
             torch.testing.assert_close(out[row], reference(seqs[i], ws[i]), atol=1e-4, rtol=1e-4)
-    for step in range(2):  # request j in row j and slot j: the decode path without gather and scatter
+    for step in range(2):  # request j in row j and slot j, versions alternating row by row
         for i in (0, 1, 2):
             seqs[i] = seqs[i] + [200 + step + i]
         out = eng.runner.forward([Segment(i, len(seqs[i]) - 1, [seqs[i][-1]], ws[i], True) for i in (0, 1, 2)],

@@ -45,22 +45,14 @@ class LoRALinear(nn.Module):
         return binding.apply(self.index, x, y)
 
 
-# Projections that read the same input, in the order the runner concatenates their outputs: their
-# LoRA runs as one x @ [A_1 | A_2 | ...] and one block-diagonal B (two calls instead of 2 per layer).
-FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
 @dataclass(frozen=True)
 class AdapterWeights:
-    """One immutable serving version: per layer A^T [in, r] and scaled B^T [r, out] in compute dtype;
-    `fused[(i, j, ...)]` = ([A_i^T | A_j^T | ...] [in, k*r], block-diagonal B^T [k*r, sum of outs]) for
-    each group of layers that share an input (`LoRALayers.groups`)."""
+    """One immutable serving version: per layer A^T [in, r] and scaled B^T [r, out] in compute dtype."""
 
     version: int
     a_t: tuple[torch.Tensor, ...]
     b_t: tuple[torch.Tensor, ...]
     meta: dict = field(default_factory=dict, compare=False)
-    fused: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass
@@ -81,16 +73,6 @@ class ServingBinding:
             xs = x2[start:end].to(w.a_t[i].dtype)
             out[start:end] += (xs @ w.a_t[i] @ w.b_t[i]).to(y.dtype)
         return out.view(shape)
-
-    def apply_fused(self, group: tuple[int, ...], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """`apply` for the layers `group` at once: x [T, in], y their concatenated base outputs [T, sum]."""
-        if len(self.groups) == 1 and self.groups[0][0] == 0 and self.groups[0][1] >= x.shape[0]:
-            a, b = self.groups[0][2].fused[group]
-            return torch.addmm(y, x.to(a.dtype) @ a, b).to(y.dtype)
-        for start, end, w in self.groups:
-            a, b = w.fused[group]
-            y[start:end] += (x[start:end].to(a.dtype) @ a @ b).to(y.dtype)
-        return y
 
 
 @dataclass
@@ -125,7 +107,6 @@ class LoRALayers:
         self.layers = layers
         self.r = r
         self.scaling = alpha / r
-        self.groups = fusable_groups(layers)
 
     @property
     def paths(self) -> list[str]:
@@ -149,18 +130,7 @@ class LoRALayers:
                 b = state[peft_key(m.path, "B")].to(device=device, dtype=torch.float32)
                 a_t.append(a.t().contiguous().to(dtype))
                 b_t.append((b * self.scaling).t().contiguous().to(dtype))
-            fused = {g: (torch.cat([a_t[i] for i in g], 1), torch.block_diag(*(b_t[i] for i in g))) for g in self.groups}
-        return AdapterWeights(version, tuple(a_t), tuple(b_t), dict(meta or {}), fused)
-
-
-def fusable_groups(layers: list[LoRALinear]) -> tuple[tuple[int, ...], ...]:
-    """Index tuples of the layers under one parent named as one of FUSED_PROJECTIONS, in that order."""
-    by_parent: dict[str, dict[str, int]] = {}
-    for m in layers:
-        parent, _, name = m.path.rpartition(".")
-        by_parent.setdefault(parent, {})[name] = m.index
-    return tuple(tuple(names[n] for n in group) for names in by_parent.values() for group in FUSED_PROJECTIONS
-                 if all(n in names for n in group))
+        return AdapterWeights(version, tuple(a_t), tuple(b_t), dict(meta or {}))
 
 
 def inject_lora(model: nn.Module, target_modules: list[str], r: int, alpha: float) -> LoRALayers:

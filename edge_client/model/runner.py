@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from collm.edge_client.model.lora import AdapterWeights, LoRALinear, ServingBinding, bind
+from collm.edge_client.model.lora import AdapterWeights, ServingBinding, bind
 
 
 @dataclass
@@ -69,67 +69,6 @@ class KVPool:
         return self.k.nbytes + self.v.nbytes
 
 
-@dataclass(frozen=True)
-class FusedLinear:
-    """Sibling projections that read one input (q, k, v; gate, up) as one matmul: `weight` is their
-    weights concatenated, and each module's own weight is re-pointed at its rows of it, so the base
-    is still stored once and the HF modules (training, evaluation) compute exactly as before."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    sizes: tuple[int, ...]
-    lora: tuple[int, ...] | None  # the LoRALinear indices, in order (None: no LoRA on these)
-
-    def __call__(self, x: torch.Tensor, binding: ServingBinding) -> tuple[torch.Tensor, ...]:
-        y = F.linear(x, self.weight, self.bias)
-        if self.lora is not None:
-            y = binding.apply_fused(self.lora, x, y)
-        return y.split(self.sizes, dim=-1)
-
-
-def fuse_linears(mods: list[torch.nn.Module]) -> FusedLinear | None:
-    """A FusedLinear over `mods`, or None where they cannot share one matmul (a quantized base, mixed
-    dtypes, LoRA on some but not all, bias on some but not all): those keep their own calls."""
-    wrapped = [isinstance(m, LoRALinear) for m in mods]
-    bases = [m.base if w else m for m, w in zip(mods, wrapped)]
-    if any(wrapped) != all(wrapped) or any(type(b) is not torch.nn.Linear for b in bases):
-        return None
-    if len({(b.weight.dtype, b.weight.device) for b in bases}) != 1 or len({b.in_features for b in bases}) != 1:
-        return None
-    has_bias = [b.bias is not None for b in bases]
-    if any(has_bias) != all(has_bias):
-        return None
-    with torch.no_grad():
-        weight = torch.cat([b.weight for b in bases])
-        bias = torch.cat([b.bias for b in bases]) if all(has_bias) else None
-        row = 0
-        for b in bases:  # one copy of the base: each module now reads its rows of the fused weight
-            n = b.out_features
-            b.weight = torch.nn.Parameter(weight[row:row + n], requires_grad=b.weight.requires_grad)
-            if bias is not None:
-                b.bias = torch.nn.Parameter(bias[row:row + n], requires_grad=b.bias.requires_grad)
-            row += n
-    return FusedLinear(weight, bias, tuple(b.out_features for b in bases),
-                       tuple(m.index for m in mods) if all(wrapped) else None)
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """How the runner calls one decoder layer's projections (None: the module's own forward)."""
-
-    qkv: FusedLinear | None
-    gate_up: FusedLinear | None
-
-
-def plan_layer(layer: torch.nn.Module) -> LayerPlan:
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-    gate_up = None
-    if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-        gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
-    return LayerPlan(qkv, gate_up)
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -157,7 +96,6 @@ class ModelRunner:
         self.scaling = float(getattr(attn0, "scaling", self.head_dim ** -0.5))
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
-        self.plans = [plan_layer(layer) for layer in self.layers]
 
     def new_pool(self, slots: int, slot_len: int) -> KVPool:
         return KVPool(self.n_layers, self.n_kv, self.head_dim, slots, slot_len, self.dtype, self.device)
@@ -193,7 +131,6 @@ class ModelRunner:
         offsets = [0]
         for s in segments:
             offsets.append(offsets[-1] + len(s.tokens))
-        direct = False
         if dec:
             d_rows = torch.tensor([offsets[i] for i, _ in dec], device=dev)
             d_slots = torch.tensor([s.slot for _, s in dec], device=dev)
@@ -203,35 +140,21 @@ class ModelRunner:
             lens = torch.ones(n_range, dtype=torch.long, device=dev)  # idle slots: attend key 0 (no NaN)
             lens[d_slots] = d_pos + 1
             d_mask = (torch.arange(max_len, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-            # the usual decode step: only decodes, request j in row j and slot j: no gather, no scatter
-            direct = len(dec) == len(segments) and all(s.slot == j for j, (_, s) in enumerate(dec))
 
-        binding = ServingBinding(groups)
-        with bind(binding):
+        with bind(ServingBinding(groups)):
             for li, layer in enumerate(self.layers):
-                attn, plan = layer.self_attn, self.plans[li]
+                attn = layer.self_attn
                 x = layer.input_layernorm(h)
-                if plan.qkv is not None:
-                    q, k, v = plan.qkv(x, binding)
-                else:
-                    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-                q = q.unflatten(-1, (self.n_heads, self.head_dim))
-                k = k.unflatten(-1, (self.n_kv, self.head_dim))
-                v = v.unflatten(-1, (self.n_kv, self.head_dim))
+                q = attn.q_proj(x).view(T, self.n_heads, self.head_dim)
+                k = attn.k_proj(x).view(T, self.n_kv, self.head_dim)
+                v = attn.v_proj(x).view(T, self.n_kv, self.head_dim)
                 if hasattr(attn, "q_norm"):
                     q, k = attn.q_norm(q), attn.k_norm(k)
                 q = q * cos + _rotate_half(q) * sin
                 k = k * cos + _rotate_half(k) * sin
-                out = None if direct else torch.empty_like(q)
+                out = torch.empty_like(q)
                 kc, vc = pool.k[li], pool.v[li]  # [slots, n_kv, slot_len, hd]
-                if dec and direct:
-                    kc[d_slots, :, d_pos] = k
-                    vc[d_slots, :, d_pos] = v
-                    qd = q.view(T, self.n_kv, self.group, self.head_dim)
-                    out = F.scaled_dot_product_attention(qd, kc[:T, :, :max_len], vc[:T, :, :max_len],
-                                                         attn_mask=d_mask, scale=self.scaling).view(T, self.n_heads,
-                                                                                                    self.head_dim)
-                elif dec:
+                if dec:
                     kc[d_slots, :, d_pos] = k.index_select(0, d_rows)
                     vc[d_slots, :, d_pos] = v.index_select(0, d_rows)
                     qd = q.new_zeros(n_range, self.n_kv, self.group, self.head_dim)
@@ -255,12 +178,7 @@ class ModelRunner:
                                                            enable_gqa=True)
                     out[a:b] = o[0].transpose(0, 1)
                 h = h + attn.o_proj(out.view(T, self.n_heads * self.head_dim))
-                if plan.gate_up is not None:
-                    mlp = layer.mlp
-                    gate, up = plan.gate_up(layer.post_attention_layernorm(h), binding)
-                    h = h + mlp.down_proj(mlp.act_fn(gate) * up)
-                else:
-                    h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
             want = [offsets[i + 1] - 1 for i, s in enumerate(segments) if s.want_logits]
             if not want:
                 return h.new_empty(0, self.vocab_size)
