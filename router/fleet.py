@@ -7,9 +7,9 @@ the ~10 ms of a Python loop that builds an estimate object per edge
 (benchmarks/bench_router_decisions.py). tests/test_router_fleet.py pins both forms to the same
 decisions on random snapshots.
 
-`FleetTable` keeps the router's edges in that form: each edge's last scrape is copied into its row
-once, when it is new, so a decision reads arrays and builds nothing per edge but the two estimates
-it returns.
+`FleetTable` keeps the router's edges in that form: each `EdgeState` writes what the rule reads
+(health, cooldown, requests in flight, last send, a new scrape) through to its row as it changes,
+so a decision reads arrays and builds nothing per edge but the two estimates it returns.
 """
 
 from __future__ import annotations
