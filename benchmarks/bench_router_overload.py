@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = {k2: pt[k2] for k2 in ("fraction", "router", "rate", "requests", "slo_attainment",
                                                    "attainment_ci", "goodput_rps", "goodput_ci", "ttft_p50",
                                                    "ttft_p90")}
-                    results["points"].append({**row, "refused": refused})
+                    results["points"].append({**row, "refused": refused, "point": k})
                     bar.write(f"  {f:g}x {name}: goodput {pt['goodput_rps']:.2f} req/s "
                               f"[{pt['goodput_ci'][0]:.2f}, {pt['goodput_ci'][1]:.2f}], attainment "
                               f"{pt['slo_attainment']:.3f}, refused {refused}/{pt['requests']}")
@@ -113,10 +113,10 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(cfg.load.drain_s)
                 for name in ("slo+admission", "slo"):
                     r, lo, hi = ratio_ci(met[name], met["round_robin"], resamples=cfg.bootstrap)
-                    pt = next(q for q in results["points"] if q["fraction"] == f and q["router"] == name)
+                    pt = next(q for q in results["points"] if q["point"] == k and q["router"] == name)
                     pt["vs_round_robin"] = [r, lo, hi]
                 r, lo, hi = ratio_ci(met["slo+admission"], met["slo"], resamples=cfg.bootstrap)
-                next(q for q in results["points"] if q["fraction"] == f and q["router"] == "slo+admission")[
+                next(q for q in results["points"] if q["point"] == k and q["router"] == "slo+admission")[
                     "vs_slo"] = [r, lo, hi]
     finally:
         run.stop()
