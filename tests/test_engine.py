@@ -282,7 +282,7 @@ def test_a_dead_engine_loop_says_so_and_refuses_requests():
 
 
 def test_a_request_that_waited_past_its_ttft_is_refused_not_served_late():
-    eng = tiny_engine(engine={"max_running": 1}, slo={"ttft_ms": 150, "tpot_ms": 1000})
+    eng = tiny_engine(engine={"max_running": 1, "shed_late": True}, slo={"ttft_ms": 150, "tpot_ms": 1000})
     try:
         long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
         events: dict[str, list] = {"a": [], "b": []}
@@ -321,8 +321,7 @@ def test_without_shedding_late_requests_are_served():
 
 
 def test_limits_queue_and_context():
-    # no shedding: the 3 queued requests wait for the 2 long ones, past the TTFT target on a busy machine
-    eng = tiny_engine(engine={"max_running": 2, "max_queue": 3, "kv_cache_mb": 0.25, "shed_late": False})
+    eng = tiny_engine(engine={"max_running": 2, "max_queue": 3, "kv_cache_mb": 0.25})
     try:
         assert eng.max_context < 1024  # KV memory bounds the context
         with pytest.raises(PromptTooLong, match=str(eng.max_context)):
