@@ -68,6 +68,7 @@ class LoadReport:
     train_tokens_per_s: float        # c, training throughput when idle
     goodput: float = 0.0             # requests/s that met every SLO
     adapter_version: int = -1        # the version the edge serves
+    refused_version: int = -1        # the last global its canary gate refused to serve (-1: none)
 
     @staticmethod
     def key(field_name: str) -> str:
@@ -101,4 +102,5 @@ class LoadReport:
             spare_capacity=num("spare-capacity"), queue_depth=num("queue-depth"), running=num("running"),
             train_examples=int(num("train-examples")), gain_per_ktok=gain if gain != UNKNOWN else None,
             train_tokens_per_s=num("train-tokens-per-s"), goodput=num("goodput"),
-            adapter_version=int(num("adapter-version", UNKNOWN)))
+            adapter_version=int(num("adapter-version", UNKNOWN)),
+            refused_version=int(num("refused-version", UNKNOWN)))

@@ -151,6 +151,18 @@ class ApiConfig(Strict):
     admin: bool = Field(False, description="enable /admin/* (local training, evaluation, adapter loading)")
 
 
+class AdaptersConfig(Strict):
+    """How clients name what they are served (the `model` field; see edge_client/serve/models.py)."""
+
+    name: str = Field("collm-global", pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="model id of the global adapter; `<name>@<version>` names a retained version")
+    retain: int = Field(4, ge=1, le=64, description="last published versions kept servable by `<name>@<version>`")
+    canary_margin: float | None = Field(0.05, ge=0, description="before a new global is served, its holdout loss "
+                                        "must be at most (1 + margin) x the serving version's, else the edge keeps "
+                                        "serving what it serves (edge_client/federation/canary.py); null: no gate, "
+                                        "swap first and evaluate after")
+
+
 class FederationConfig(Strict):
     """How this edge takes part in Flower rounds (a child flower-supernode; tasks run in-process)."""
 
@@ -189,6 +201,7 @@ class EdgeConfig(Strict):
     data: DataConfig = DataConfig()
     training: TrainingConfig = TrainingConfig()
     api: ApiConfig = ApiConfig()
+    adapters: AdaptersConfig = AdaptersConfig()
     federation: FederationConfig = FederationConfig()
     state_dir: str = Field("state/{name}", description="adapters and local state; {name} = edge name")
 

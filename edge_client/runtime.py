@@ -105,6 +105,12 @@ class EdgeRuntime:
                  round, 1000 * engine.shadow.last_publish_s)
         return True
 
+    def rollback(self, version: int) -> VersionInfo:
+        """Serve the retained `version` again (persisted first, like a publish); UnknownVersion if not retained."""
+        info = self.engine.shadow.rollback(version, persist=self._write_serving)
+        log.warning("edge %s: rolled back to adapter version %d (round %s)", self.cfg.name, version, info.round)
+        return info
+
     def _write_serving(self, state: dict, info: VersionInfo) -> None:
         d = self.state_dir
         d.mkdir(parents=True, exist_ok=True)
@@ -159,6 +165,9 @@ class EdgeRuntime:
             "swapped_at": info.published_at if info else None,
             "eval_loss": info.eval_loss if info else None,
             "source": info.source if info else None,
+            "sha256": info.digest if info else None,
+            "latest_version": shadow.latest_version,
+            "retained": shadow.retained_versions(),
             "versions_in_use": shadow.alive_versions(),
             "swaps": shadow.swaps,
             "history": [h.as_dict() for h in shadow.history],

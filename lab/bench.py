@@ -164,7 +164,7 @@ class ModeRun:
         self.reloads: list[dict] = []
         self._stop = threading.Event()
         self.router = ""
-        self.model_id = BASE_MODEL_NAMES[cfg.model]
+        self.model_id = self.base_model = BASE_MODEL_NAMES[cfg.model]
 
     @property
     def ckpt_dir(self) -> Path:
@@ -188,7 +188,8 @@ class ModeRun:
         g.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(self.out / "router.yaml")])
         self.router = f"http://127.0.0.1:{router_port}"
         wait_http(self.router + "/health", g, 60, "collm-router")
-        self.model_id = httpx.get(self.router + "/v1/models").json()["data"][0]["id"]
+        served = httpx.get(self.router + "/v1/models").json()["data"][0]  # the default: the global adapter
+        self.model_id, self.base_model = served["id"], served.get("root") or served["id"]
         if self.trains:
             self._start_server()
             self._wait_first_round()
@@ -202,7 +203,7 @@ class ModeRun:
         server = yaml.safe_load(Path("configs/server.yaml").read_text())
         server.update({"rounds": f.rounds, "min_nodes": len(trainers), "checkpoint_dir": str(self.ckpt_dir),
                        "round_timeout_s": 4 * f.round_deadline_s + 120, "query_timeout_s": 60,
-                       "base_model_name": self.model_id, "lora": trainers[0].lora.model_dump()})
+                       "base_model_name": self.base_model, "lora": trainers[0].lora.model_dump()})
         server["balancer"].update({"round_deadline_s": f.round_deadline_s, "round_token_budget": f.round_token_budget,
                                    "lr": f.lr, "mode": "slo" if self.mode == "collm" else "uniform"})
         (self.out / "server.yaml").write_text(yaml.safe_dump(server))

@@ -96,7 +96,7 @@ async def _one(client: httpx.AsyncClient, url: str, p: Planned, t0: float) -> Ou
             out.status = r.status_code
             out.edge = r.headers.get("X-CoLLM-Edge")
             v = r.headers.get("X-CoLLM-Adapter-Version")
-            out.adapter_version = int(v) if v is not None else None
+            out.adapter_version = int(v) if v is not None and v.lstrip('-').isdigit() else None
             if r.status_code != 200:
                 await r.aread()
                 return out
@@ -137,7 +137,7 @@ async def _one_json(client: httpx.AsyncClient, url: str, p: Planned, t0: float) 
         return out
     out.status, out.e2e_s, out.edge = r.status_code, time.perf_counter() - sent, r.headers.get("X-CoLLM-Edge")
     v = r.headers.get("X-CoLLM-Adapter-Version")
-    out.adapter_version = int(v) if v is not None else None
+    out.adapter_version = int(v) if v is not None and v.lstrip('-').isdigit() else None
     if r.status_code == 200:
         try:
             body = r.json()

@@ -87,7 +87,7 @@ class CollmRounds:
                 "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "balancer": [], "training_skipped": None,
                 "train": {}, "dropped": {}, "kept": [], "train_aggregate": None,
-                "eval": {}, "eval_aggregate": None,
+                "eval": {}, "eval_aggregate": None, "refused_by": [],
             }
         return self.history[r]
 
@@ -295,6 +295,11 @@ class CollmRounds:
             values = dict(next(iter(metrics.values())))
             rec["eval"][name] = values
             log(INFO, "round %d: %s holdout eval-loss %s", r, name, _fmt(values.get("eval-loss")))
+            if values.get("canary-refused"):
+                rec["refused_by"].append(name)
+                log(WARNING, "round %d: %s refused to serve this round's global (its canary gate: holdout "
+                    "loss %s, worse than what it serves); it keeps serving version %s", r, name,
+                    _fmt(values.get("eval-loss")), _fmt(values.get("adapter-version")))
             weight = values.get(self.weighted_by_key)
             if isinstance(weight, (int, float)) and weight > 0:
                 usable.append(m)

@@ -42,7 +42,8 @@ def test_health_models_adapters(edge):
     h = httpx.get(edge.url + "/health").json()
     assert h["status"] == "ready" and h["adapter_version"] == 0 and h["edge"] == "t"
     models = httpx.get(edge.url + "/v1/models").json()
-    assert models["data"][0]["id"] == "collm-tiny" and models["data"][0]["max_model_len"] > 0
+    assert models["data"][0]["id"] == "collm-global" and models["data"][0]["max_model_len"] > 0
+    assert models["data"][0]["root"] == models["data"][-1]["id"] == "collm-tiny"
     ad = httpx.get(edge.url + "/v1/adapters").json()
     assert ad["serving_version"] == 0 and ad["history"][0]["source"] == "initial"
 
@@ -194,6 +195,58 @@ def test_hot_swap_during_a_stream_keeps_its_version(edge):
     assert httpx.get(edge.url + "/v1/adapters").json()["round"] == 1
 
 
+def test_model_picks_the_base_the_global_or_a_retained_version(tmp_path):
+    """`model` chooses the adapter per request (serve/models.py); mixed batches stay exact."""
+    from collm.edge_client.model.shadow import state_digest
+
+    e = LiveEdge(tiny_config(state_dir=str(tmp_path / "s"), adapters={"retain": 2}, engine={"max_running": 8}))
+    try:
+        def ask(model, prompt="Once upon a time"):
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            if model is not None:
+                body["model"] = model
+            return post(e, "/v1/completions", body)
+
+        ref = {0: ask(None).json()["choices"][0]["text"]}  # version 0 has B = 0: the base model's output
+        states = {v: random_adapter_state(e.engine, 40 + v) for v in (1, 2, 3)}
+        for v in (1, 2, 3):
+            assert e.runtime.publish(states[v], v, round=v)
+            ref[v] = ask(None).json()["choices"][0]["text"]
+        assert len(set(ref.values())) == 4  # every version answers differently: the checks below can fail
+
+        models = httpx.get(e.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["collm-global", "collm-global@3", "collm-global@2", "collm-tiny"]
+        glob, v3, v2, base = models
+        assert glob["adapter_version"] == 3 and glob["round"] == 3 and glob["parent"] == "collm-tiny"
+        assert glob["sha256"] == v3["sha256"] == state_digest(states[3]) != v2["sha256"]
+        assert v2["parent"] == "collm-global" and v2["root"] == "collm-tiny" and v2["adapter_version"] == 2
+        assert base["parent"] is None and base["adapter_version"] is None
+
+        for model, version, text in [(None, 3, ref[3]), ("collm-global", 3, ref[3]),
+                                     ("collm-global@2", 2, ref[2]), ("collm-tiny", None, ref[0])]:
+            r = ask(model)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["choices"][0]["text"] == text, model
+            assert body["adapter_version"] == version and body["model"] == (model or "collm-global")
+            assert r.headers[VERSION_HEADER] == ("base" if version is None else str(version))
+
+        # all three kinds at once, several times over: each request still gets its own version's tokens
+        kinds = [("collm-global", ref[3]), ("collm-global@2", ref[2]), ("collm-tiny", ref[0])] * 4
+        with ThreadPoolExecutor(len(kinds)) as pool:
+            texts = list(pool.map(lambda k: ask(k[0]).json()["choices"][0]["text"], kinds))
+        assert texts == [t for _, t in kinds]
+
+        for gone in ("collm-global@1", "collm-global@9", "collm-global@x", "gpt-9"):
+            r = ask(gone)
+            err = r.json()["error"]
+            assert r.status_code == 404 and err["param"] == "model" and err["code"] == "model_not_found", gone
+            assert "available: collm-global, collm-global@3, collm-global@2, collm-tiny" in err["message"]
+        assert e.engine.shadow.alive_versions() == [2, 3]  # version 1 fell out of retention and was freed
+    finally:
+        e.close()
+
+
 def test_client_disconnect_frees_its_slot(edge):
     free = edge.engine.free_slots()
     with httpx.stream("POST", edge.url + "/v1/completions", timeout=60,
@@ -272,6 +325,14 @@ def test_admin_endpoints(tmp_path):
         r = post(e, "/admin/adapters", {"path": str(bad_weights)})
         assert r.status_code == 400 and "safetensors" in r.json()["error"]["message"]
         assert post(e, "/admin/train", {}).json()["error"]["message"].endswith("give steps or tokens")
+
+        view = post(e, "/admin/rollback", {"version": 0}).json()  # the undo: serve a retained version again
+        assert view["serving_version"] == 0 and view["source"] == "rollback" and view["latest_version"] == 1
+        assert post(e, "/v1/completions", {"prompt": "x", "max_tokens": 2}).headers[VERSION_HEADER] == "0"
+        r = post(e, "/admin/rollback", {"version": 9})
+        assert r.status_code == 404 and "available: 0, 1" in r.json()["error"]["message"]
+        assert json.loads((tmp_path / "s" / "serving.json").read_text())["version"] == 0  # what a restart serves
+        assert post(e, "/admin/adapters", {"path": str(tmp_path / "ad")}).json()["serving_version"] == 2
     finally:
         e.close()
 

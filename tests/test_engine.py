@@ -136,7 +136,8 @@ def test_swap_under_concurrent_load_never_mixes_versions():
         for p, ev in results:
             assert ev.reason == "length"
             assert ev.text == refs[(waves[ev.record.adapter_version], p)], (p, ev.record.adapter_version)
-        assert eng.shadow.alive_versions() == [107]  # superseded versions were freed
+        # only the last `adapters.retain` (4) versions stay; older ones were freed once their requests ended
+        assert eng.shadow.alive_versions() == eng.shadow.retained_versions() == [104, 105, 106, 107]
     finally:
         eng.stop()
 
@@ -409,3 +410,4 @@ def test_evaluation_of_versions():
         assert trained.loss < base.loss  # the tiny model learns the data's token statistics
     finally:
         eng.stop()
+

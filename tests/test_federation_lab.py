@@ -61,4 +61,6 @@ def test_balancer_decisions_and_losses_are_in_the_round_metrics(lab):
             assert d["reason"] and "report" in d and d["deadline_s"] == 30
         assert set(m["eval"]) == {"edge0", "edge1"}
         assert all(isinstance(v["eval-loss"], float) for v in m["eval"].values())
+        assert m["refused_by"] == [] and all(v["canary-refused"] == 0 for v in m["eval"].values())
     assert "holdout eval loss per edge" in lab[0].stdout
+

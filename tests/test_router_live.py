@@ -221,8 +221,9 @@ def test_the_official_openai_client_works(cluster):
     openai = pytest.importorskip("openai")
     router, _ = cluster
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
-    model = client.models.list().data[0].id
-    assert model == "collm-tiny"
+    models = [m.id for m in client.models.list().data]
+    model = models[0]
+    assert model == "collm-global" and models[-1] == "collm-tiny"  # the global adapter first, the base last
     c = client.completions.create(model=model, prompt="Once upon", max_tokens=5, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 5

@@ -53,6 +53,7 @@ class FakeEdge:
     train_configs: list[dict] = field(default_factory=list)
     train_arrays: list[dict] = field(default_factory=list)
     keyed_reply: bool = False  # reply with one Array per tensor (an older edge) instead of packed
+    refuses: bool = False  # its canary gate refuses every new global (it keeps serving the old one)
     queries: int = 0
     evals: list[int] = field(default_factory=list)
 
@@ -111,7 +112,8 @@ def _evaluate(msg: Message, context: Context) -> Message:
     arrays = wire.unpack(msg.content["arrays"])
     mean_abs = float(np.mean([np.abs(v).mean() for v in arrays.values()])) if arrays else 0.0
     metrics = MetricRecord({"num-examples": 16, "eval-loss": 3.0 - mean_abs - 0.1 * edge.index,
-                            "eval-accuracy": 0.5, "adapter-version": float(rnd)})
+                            "eval-accuracy": 0.5, "adapter-version": float(0 if edge.refuses else rnd),
+                            "canary-refused": int(edge.refuses)})
     return Message(RecordDict({"metrics": metrics, "identity": _identity(edge)}), reply_to=msg)
 
 
@@ -241,6 +243,26 @@ def test_two_rounds_balancer_budgets_and_checkpoints(tmp_path):
     assert set(m1["eval"]) == {"idle", "busy", "slow"} and 0 < m1["wall_s"] < cfg.round_timeout_s
     table = summary_table(load_all_metrics(cfg.checkpoint_dir))
     assert "slow" in table and len(table.splitlines()) == 4
+
+
+def test_an_edge_that_refuses_the_new_global_is_recorded_and_logged(tmp_path):
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addHandler(handler)
+    grid = make_grid(busy={"refuses": True})
+    cfg = server_cfg(tmp_path, rounds=1)
+    try:
+        build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=1, timeout=30)
+    finally:
+        flwr_logger.removeHandler(handler)
+    m = load_round(cfg.checkpoint_dir, 1).metrics
+    assert m["refused_by"] == ["busy"] and m["eval"]["busy"]["canary-refused"] == 1
+    assert m["eval"]["idle"]["canary-refused"] == 0
+    assert any("busy refused to serve this round's global" in r for r in records)
 
 
 def test_nan_update_is_dropped_and_the_round_completes(tmp_path):

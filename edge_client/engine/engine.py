@@ -82,7 +82,7 @@ class Engine:
         self.costs = costs or CostModels()
         self.policy = make_policy(cfg.training)
         self.telemetry = Telemetry()
-        self.shadow = ShadowAdapter(self.layers, lm.device, lm.dtype)
+        self.shadow = ShadowAdapter(self.layers, lm.device, lm.dtype, retain=cfg.adapters.retain)
         adapter = TrainableAdapter(self.layers, lm.device, seed=seed)
         self.initial_state = adapter.state_dict_peft()  # identical on every edge: the round-1 start
         self.shadow.publish(self.initial_state, 0, source="initial")  # B = 0: the base model
@@ -126,8 +126,12 @@ class Engine:
         return self
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[object], None],
-               slo: SLO | None = None, request_id: str | None = None) -> Request:
-        """Queue a request; events (AdmittedEvent, TokenEvent..., FinishEvent) arrive on the engine thread."""
+               slo: SLO | None = None, request_id: str | None = None, adapter: int | None = None) -> Request:
+        """Queue a request; events (AdmittedEvent, TokenEvent..., FinishEvent) arrive on the engine thread.
+
+        `adapter`: None serves the version current at admission; a retained version or `BASE.version`
+        is pinned now (UnknownVersion if it is not retained), so it cannot be freed while the request waits.
+        """
         params.validate()
         if self.failure is not None:
             raise EngineFailed(f"the engine failed ({self.failure}); this edge must be restarted")
@@ -142,9 +146,13 @@ class Engine:
                 f"{need} ({len(prompt_ids)} prompt + {params.max_tokens} max_tokens)")
         req = Request(id=request_id or f"req-{uuid.uuid4().hex[:12]}", prompt_ids=list(prompt_ids), params=params,
                       slo=slo or self.slo, on_event=on_event)
+        pinned = None if adapter is None else self.shadow.pin(adapter)
         with self._lock:
             if len(self._waiting) + len(self._incoming) >= self.cfg.engine.max_queue + self.free_slots():
+                if pinned is not None:
+                    self.shadow.release(pinned)
                 raise QueueFull(f"the queue is full ({self.cfg.engine.max_queue} waiting requests)")
+            req.adapter = pinned
             self._incoming.append(req)
             self._lock.notify()
         return req
@@ -323,7 +331,8 @@ class Engine:
             r.slot = slot
             self._running.append(r)
             try:
-                r.adapter = self.shadow.pin()
+                if r.adapter is None:
+                    r.adapter = self.shadow.pin()
                 r.stream = TextStream(self.tokenizer, r.params.stop)
                 r.generator = make_generator(r.params, self.device)
             except Exception:  # noqa: BLE001 - one request's set-up must not stop the engine

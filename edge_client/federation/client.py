@@ -4,9 +4,12 @@
 * train:    serve the global adapter it carries if this edge does not yet, load it into the training
             adapter, train the assigned budget through the engine's co-execution rule (serving never
             waits for it), return the local adapter;
-* evaluate: serve the new global adapter (shadow swap, no restart) and report its holdout loss.
+* evaluate: evaluate the new global on the holdout slice, serve it (shadow swap, no restart) if the
+            canary gate passes it (`canary.py`, `adapters.canary_margin`; off: swap first, then
+            evaluate), and report its holdout loss and whether it was refused.
 
-Both handlers swap through `adopt_global`, the one place a global adapter becomes the served one.
+Both handlers swap through `adopt_global`, the one place a global adapter becomes the served one; a
+global the gate refused is never served, not even when a later TRAIN message carries it again.
 `EdgeFederation(runtime)` is the service `collm-edge` attaches to its runtime: the handlers plus a
 `SuperNodeExecutor` that runs them in-process. The module's `app` exists so the Flower app bundle
 names a ClientApp; it runs on whichever edge `bind` chose.
@@ -24,6 +27,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from collm.common import protocol as P
+from collm.edge_client.federation.canary import canary_verdict
 from collm.edge_client.federation.records import to_arrays, to_state
 from collm.edge_client.training.jobs import TrainBudget
 
@@ -47,6 +51,7 @@ class FederatedEdge:
         self.last_eval: dict | None = None
         self._eval_history: dict[int, float] = {}  # global version -> holdout loss on this edge
         self._tokens_by_round: dict[int, int] = {}
+        self.refused: dict[int, str] = {}  # global version -> why the canary gate refused it
 
     # ------------------------------------------------------------------ handlers
     def client_app(self) -> ClientApp:
@@ -74,7 +79,7 @@ class FederatedEdge:
             spare_capacity=w.spare_capacity, queue_depth=snap.waiting, running=snap.running,
             train_examples=snap.train_examples, gain_per_ktok=self.gain_per_ktok(),
             train_tokens_per_s=snap.idle_train_tokens_per_s, goodput=w.goodput,
-            adapter_version=snap.adapter_version)
+            adapter_version=snap.adapter_version, refused_version=max(self.refused, default=-1))
 
     def adopt_global(self, arrays: ArrayRecord, version: int) -> dict | None:
         """Serve the global adapter of round `version` unless this edge already serves it (or newer);
@@ -82,7 +87,7 @@ class FederatedEdge:
         if not len(arrays):
             return None
         state = to_state(arrays)
-        if version > 0:
+        if version > 0 and version not in self.refused:
             self.rt.publish(state, version, round=version)  # the shadow swap: new requests get it
         return state
 
@@ -134,27 +139,70 @@ class FederatedEdge:
         return Message(content, reply_to=msg)
 
     def evaluate(self, msg: Message, context: Context) -> Message:
-        eng = self.rt.engine
         rnd = int(msg.content[P.CONFIG].get(P.SERVER_ROUND, 0))
-        self.adopt_global(msg.content[P.ARRAYS], rnd)
-        report = eng.evaluate(version=eng.shadow.current_version).result()
-        if report.loss is None:  # the engine stopped before evaluating anything
-            raise RuntimeError(f"edge {self.rt.cfg.name}: evaluation did not run")
-        version = int(report.extra.get("version", eng.shadow.current_version))
-        eng.shadow.set_eval_loss(version, report.loss)
+        arrays = msg.content[P.ARRAYS]
+        report, refused = self.evaluate_global(to_state(arrays) if len(arrays) else None, rnd)
+        version = self.rt.engine.shadow.current_version
+        metrics = MetricRecord({P.NUM_EXAMPLES: int(report.sequences), "eval-loss": float(report.loss),
+                                "eval-accuracy": _num(report.accuracy), "adapter-version": float(version),
+                                "canary-refused": int(refused is not None)})
+        return Message(RecordDict({P.METRICS: metrics, P.IDENTITY: self._identity()}), reply_to=msg)
+
+    def evaluate_global(self, state: dict | None, rnd: int):
+        """Round `rnd`'s global (`state`; None: nothing new): serve it unless the canary gate refuses it,
+        and evaluate it. Returns its evaluation and, if it was refused, why."""
+        eng = self.rt.engine
+        margin = self.rt.cfg.adapters.canary_margin
+        refused = None
+        if margin is None or state is None or rnd <= eng.shadow.latest_version:
+            if state is not None and rnd > 0 and rnd not in self.refused:
+                self.rt.publish(state, rnd, round=rnd)  # no gate: swap first, then evaluate what is served
+            report = _evaluated(eng.evaluate(version=eng.shadow.current_version).result(), self.rt.cfg.name)
+            eng.shadow.set_eval_loss(eng.shadow.current_version, report.loss)
+        else:
+            report, refused = self._canary(state, rnd, margin)
         with self.lock:
             self._eval_history[rnd] = report.loss
-            self.last_eval = {"round": rnd, "version": version, "loss": report.loss, "accuracy": report.accuracy}
-        log.info("edge %s: round %d: serving version %d, holdout loss %.4f", self.rt.cfg.name, rnd, version,
-                 report.loss)
-        metrics = MetricRecord({P.NUM_EXAMPLES: int(report.sequences), "eval-loss": float(report.loss),
-                                "eval-accuracy": _num(report.accuracy), "adapter-version": float(version)})
-        return Message(RecordDict({P.METRICS: metrics, P.IDENTITY: self._identity()}), reply_to=msg)
+            self.last_eval = {"round": rnd, "version": eng.shadow.current_version, "loss": report.loss,
+                              "accuracy": report.accuracy, "refused": refused}
+        log.info("edge %s: round %d: serving version %d, holdout loss of the round's global %.4f%s",
+                 self.rt.cfg.name, rnd, eng.shadow.current_version, report.loss,
+                 f" (refused: {refused})" if refused else "")
+        return report, refused
+
+    def _canary(self, state: dict, version: int, margin: float):
+        """Evaluate the new global before it is served; serve it only if the gate passes it.
+        Returns the candidate's evaluation and, if refused, why."""
+        eng = self.rt.engine
+        shadow = eng.shadow
+        serving = shadow.current_version
+        info = shadow.info_of(serving)
+        serving_loss = info.eval_loss if info else None
+        if serving_loss is None:  # e.g. the initial adapter: measure it once, so the gate has a reference
+            serving_loss = _evaluated(eng.evaluate(version=serving).result(), self.rt.cfg.name).loss
+            shadow.set_eval_loss(serving, serving_loss)
+        report = _evaluated(eng.evaluate(state=state).result(), self.rt.cfg.name)
+        verdict = canary_verdict(report.loss, serving_loss, margin)
+        if verdict.accept:
+            self.rt.publish(state, version, round=version, eval_loss=report.loss)
+            return report, None
+        with self.lock:
+            self.refused[version] = verdict.reason
+        log.warning("edge %s: refused to serve global version %d, kept version %d: %s", self.rt.cfg.name,
+                    version, serving, verdict.reason)
+        return report, verdict.reason
 
     def status(self) -> dict:
         with self.lock:
             return {"rounds_trained": self.rounds_trained, "last_round": self.last_round,
-                    "last_train": self.last_train, "last_eval": self.last_eval}
+                    "last_train": self.last_train, "last_eval": self.last_eval,
+                    "refused": {str(k): v for k, v in sorted(self.refused.items())}}
+
+
+def _evaluated(report, edge: str):
+    if report.loss is None:  # the engine stopped before evaluating anything
+        raise RuntimeError(f"edge {edge}: evaluation did not run")
+    return report
 
 
 class EdgeFederation:

@@ -55,6 +55,9 @@ class AdapterWeights:
     meta: dict = field(default_factory=dict, compare=False)
 
 
+BASE = AdapterWeights(-1, (), (), {"base": True})  # rows bound to it get no LoRA delta: the frozen base
+
+
 @dataclass
 class ServingBinding:
     """Row ranges [start, end) of the flattened batch and the adapter version each range uses."""
@@ -67,9 +70,13 @@ class ServingBinding:
         y2 = y.reshape(-1, shape[-1])
         if len(self.groups) == 1 and self.groups[0][0] == 0 and self.groups[0][1] >= x2.shape[0]:
             w = self.groups[0][2]
+            if w is BASE:
+                return y
             return torch.addmm(y2, x2.to(w.a_t[i].dtype) @ w.a_t[i], w.b_t[i]).to(y.dtype).view(shape)
         out = y2.clone()
         for start, end, w in self.groups:
+            if w is BASE:
+                continue
             xs = x2[start:end].to(w.a_t[i].dtype)
             out[start:end] += (xs @ w.a_t[i] @ w.b_t[i]).to(y.dtype)
         return out.view(shape)
@@ -134,7 +141,16 @@ class LoRALayers:
 
 
 def inject_lora(model: nn.Module, target_modules: list[str], r: int, alpha: float) -> LoRALayers:
-    """Wrap every target linear of `model` in a LoRALinear (in place; base weights untouched)."""
+    """Wrap every target linear of `model` in a LoRALinear (in place; base weights untouched).
+
+    A model wrapped before (a second engine on the same loaded model) keeps its wrappers: they hold
+    no adapter state, so they are simply reused."""
+    existing = [m for _, m in model.named_modules() if isinstance(m, LoRALinear)]
+    if existing:
+        other = sorted({m.path.rsplit(".", 1)[-1] for m in existing} - set(target_modules))
+        if other:
+            raise ValueError(f"this model was already wrapped for LoRA on {other}, not in {target_modules}")
+        return LoRALayers(existing, r, alpha)
     layers: list[LoRALinear] = []
     for parent_path, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):

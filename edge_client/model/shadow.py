@@ -2,9 +2,10 @@
 
 `publish` checks that the version is newer (the one place that rule lives), builds the new
 version's tensors off the serving path (in the caller's thread), lets the caller persist it, then
-flips one reference under a lock held for nanoseconds. A request pins the version that is current
-when it is admitted and keeps it for every token, because its KV cache was computed with that
-adapter; a superseded version is freed when its last pinned request releases it.
+flips one reference under a lock held for nanoseconds. A request pins a version (the current one
+when it is admitted, unless it named a retained one or the base) and keeps it for every token,
+because its KV cache was computed with that adapter. The last `retain` published versions stay
+servable by name; an older one is freed when its last pinned request releases it.
 """
 
 from __future__ import annotations
@@ -15,13 +16,35 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import hashlib
+
 import torch
 
-from collm.edge_client.model.lora import AdapterWeights, LoRALayers
+from collm.edge_client.model.lora import BASE, AdapterWeights, LoRALayers
 
 
 class StaleVersion(ValueError):
     """A version that is not newer than the one being served."""
+
+
+class UnknownVersion(LookupError):
+    """A version that is not retained here (never published, or no longer kept)."""
+
+    def __init__(self, version: int, available: list[int]):
+        super().__init__(f"adapter version {version} is not retained here; available: "
+                         f"{', '.join(map(str, available)) or 'none'}")
+        self.version, self.available = version, available
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the adapter's tensors (float32, keys sorted): the same weights give the same digest."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        t = state[k].detach().to("cpu", torch.float32).contiguous()
+        h.update(k.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
 
 
 @dataclass
@@ -31,13 +54,15 @@ class VersionInfo:
     published_at: float  # wall clock
     eval_loss: float | None
     source: str
+    digest: str | None = None  # sha256 of the weights (`state_digest`)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
 class ShadowAdapter:
-    def __init__(self, layers: LoRALayers, device: torch.device, dtype: torch.dtype, history: int = 32):
+    def __init__(self, layers: LoRALayers, device: torch.device, dtype: torch.dtype, history: int = 32,
+                 retain: int = 1):
         self._layers = layers
         self._device = device
         self._dtype = dtype
@@ -45,7 +70,10 @@ class ShadowAdapter:
         self._publishing = threading.Lock()  # one publisher at a time (held while copying)
         self._current: AdapterWeights | None = None
         self._pins: dict[int, int] = {}  # version -> pinned requests
-        self._alive: dict[int, AdapterWeights] = {}  # current + superseded versions still pinned
+        self._alive: dict[int, AdapterWeights] = {}  # retained versions + superseded ones still pinned
+        self._retained: deque[int] = deque(maxlen=max(1, retain))  # the last published (servable by name)
+        self._states: dict[int, dict[str, torch.Tensor]] = {}  # PEFT state of each retained version (rollback)
+        self._latest = -1  # the newest version ever published: a version number is never reused
         self.history: deque[VersionInfo] = deque(maxlen=history)
         self.swaps = 0
         self.last_publish_s = 0.0
@@ -56,31 +84,58 @@ class ShadowAdapter:
                 persist: Callable[[dict, VersionInfo], None] | None = None) -> AdapterWeights:
         """Make `state` (PEFT keys) the version new requests are served with.
 
-        Raises StaleVersion if `version` is not newer than the current one. `persist(state, info)`,
-        if given, runs after the copy and before the flip: a version is served only once it is saved.
+        Raises StaleVersion if `version` is not newer than every version published so far (a rollback
+        does not make an old number new again). `persist(state, info)`, if given, runs after the copy
+        and before the flip: a version is served only once it is saved.
         """
         with self._publishing:
-            if version <= self.current_version:
-                raise StaleVersion(f"adapter version {version} is not newer than {self.current_version}")
+            if version <= self._latest:
+                raise StaleVersion(f"adapter version {version} is not newer than {self._latest}")
             t0 = time.perf_counter()
             weights = self._layers.serving_weights(state, version, self._device, self._dtype)  # the copy
-            info = VersionInfo(version, round, time.time(), eval_loss, source)
+            info = VersionInfo(version, round, time.time(), eval_loss, source, state_digest(state))
             if persist is not None:
                 persist(state, info)
-            self._flip(weights, info)
+            kept = {k: v.detach().to("cpu", torch.float32).clone() for k, v in state.items()}
+            self._flip(weights, info, kept)
+            self._latest = version
             self.last_publish_s = time.perf_counter() - t0
         return weights
 
-    def _flip(self, weights: AdapterWeights, info: VersionInfo) -> None:
+    def rollback(self, version: int, persist: Callable[[dict, VersionInfo], None] | None = None) -> VersionInfo:
+        """Serve the retained `version` again (the admin's undo); UnknownVersion if it is not retained."""
+        with self._publishing:
+            with self._lock:
+                if version not in self._retained:
+                    raise UnknownVersion(version, sorted(self._retained))
+                weights, state = self._alive[version], self._states[version]
+            old = self.info_of(version)
+            info = VersionInfo(version, old.round if old else None, time.time(), old.eval_loss if old else None,
+                               "rollback", old.digest if old else state_digest(state))
+            if persist is not None:
+                persist(state, info)
+            with self._lock:
+                if self._current is not weights:
+                    self._current = weights
+                    self.swaps += 1
+                self.history.append(info)
+        return info
+
+    def _flip(self, weights: AdapterWeights, info: VersionInfo, state: dict[str, torch.Tensor]) -> None:
         version = weights.version
         with self._lock:
             old = self._current
             self._current = weights
             self._alive[version] = weights
+            dropped = self._retained[0] if len(self._retained) == self._retained.maxlen else None
+            self._retained.append(version)
+            self._states[version] = state
             if old is not None:
                 self.swaps += 1
-                if self._pins.get(old.version, 0) == 0:
-                    self._alive.pop(old.version, None)
+            if dropped is not None:
+                self._states.pop(dropped, None)
+                if self._pins.get(dropped, 0) == 0 and dropped != self._current.version:
+                    self._alive.pop(dropped, None)
             self.history.append(info)
 
     def set_eval_loss(self, version: int, loss: float) -> None:
@@ -89,23 +144,33 @@ class ShadowAdapter:
                 info.eval_loss = loss
 
     # -------------------------------------------------------------- pinning (engine thread)
-    def pin(self) -> AdapterWeights:
+    def pin(self, version: int | None = None) -> AdapterWeights:
+        """The current version (None), a retained one, or `BASE.version` (no LoRA); held until `release`."""
+        if version == BASE.version:
+            return BASE
         with self._lock:
-            w = self._current
-            if w is None:
-                raise RuntimeError("no adapter published yet")
+            if version is None:
+                w = self._current
+                if w is None:
+                    raise RuntimeError("no adapter published yet")
+            elif version in self._retained:
+                w = self._alive[version]
+            else:
+                raise UnknownVersion(version, sorted(self._retained))
             self._pins[w.version] = self._pins.get(w.version, 0) + 1
             return w
 
     def release(self, w: AdapterWeights) -> None:
+        if w is BASE:
+            return
         with self._lock:
             n = self._pins.get(w.version, 0) - 1
             if n > 0:
                 self._pins[w.version] = n
                 return
             self._pins.pop(w.version, None)
-            if self._current is None or w.version != self._current.version:
-                self._alive.pop(w.version, None)  # superseded and no longer used: free it
+            if w.version not in self._retained and w is not self._current:
+                self._alive.pop(w.version, None)  # no longer retained and no longer used: free it
 
     # -------------------------------------------------------------- views
     @property
@@ -116,12 +181,26 @@ class ShadowAdapter:
     def current_version(self) -> int:
         return -1 if self._current is None else self._current.version
 
+    @property
+    def latest_version(self) -> int:
+        """The newest version ever published (-1: none); after a rollback it is above the current one."""
+        return self._latest
+
     def current_info(self) -> VersionInfo | None:
         return self.history[-1] if self.history else None
 
     def alive_versions(self) -> list[int]:
+        """Versions whose tensors are in memory (retained, or pinned by a running request)."""
         with self._lock:
             return sorted(self._alive)
+
+    def retained_versions(self) -> list[int]:
+        """Versions a new request may name (the last `retain` published, the current one included)."""
+        with self._lock:
+            return sorted(self._retained)
+
+    def info_of(self, version: int) -> VersionInfo | None:
+        return next((h for h in reversed(self.history) if h.version == version), None)
 
     def weights_of(self, version: int) -> AdapterWeights | None:
         with self._lock:

@@ -1,8 +1,9 @@
 """The edge's HTTP API: OpenAI-compatible completions and chat, health, metrics, adapters.
 
 Every response says which adapter version produced it: the `adapter_version` field and the
-`X-CoLLM-Adapter-Version` header. The version is the one pinned when the request was admitted,
-so a hot swap during a stream changes neither.
+`X-CoLLM-Adapter-Version` header ("base" and null for the frozen base). The version is the one
+pinned when the request was admitted (or the one `model` named, `serve/models.py`), so a hot swap
+during a stream changes neither.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
 from collm.edge_client.engine import (AdmittedEvent, EngineError, EngineFailed, FinishEvent, PromptTooLong,
                                      QueueFull, ShuttingDown, TokenEvent)
 from collm.edge_client.serve.metrics import EdgeMetrics
-from collm.edge_client.serve.openai_schema import (AdminEvaluate, AdminPublish, AdminTrain, ChatRequest,
+from collm.edge_client.serve.models import Choice, UnknownModel, model_ids, resolve
+from collm.edge_client.model.lora import BASE
+from collm.edge_client.model.shadow import UnknownVersion
+from collm.edge_client.serve.openai_schema import (AdminEvaluate, AdminPublish, AdminRollback, AdminTrain, ChatRequest,
                                                   CompletionRequest, _Common)
 from collm.edge_client.runtime import EdgeRuntime
 from collm.edge_client.model.sampling import SamplingParams
@@ -120,9 +124,25 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         eng = engine()
-        return {"object": "list", "data": [{
-            "id": rt.model_name, "object": "model", "created": int(rt.started_at), "owned_by": "collm",
-            "max_model_len": eng.max_context, "adapter_version": eng.shadow.current_version}]}
+        shadow, name, base = eng.shadow, rt.cfg.adapters.name, rt.model_name
+        retained = shadow.retained_versions()
+
+        def entry(mid: str, parent: str | None, version: int | None) -> dict:
+            info = None if version is None else shadow.info_of(version)
+            return {"id": mid, "object": "model", "created": int(info.published_at if info else rt.started_at),
+                    "owned_by": "collm", "root": base, "parent": parent, "max_model_len": eng.max_context,
+                    "adapter_version": version, "round": info.round if info else None,
+                    "sha256": info.digest if info else None, "eval_loss": info.eval_loss if info else None}
+
+        data = []
+        for mid in model_ids(base, name, retained):
+            if mid == base:
+                data.append(entry(base, None, None))
+            elif mid == name:
+                data.append(entry(name, base, shadow.current_version))
+            else:
+                data.append(entry(mid, name, int(mid.rpartition("@")[2])))
+        return {"object": "list", "data": data}
 
     @app.get("/v1/adapters")
     async def adapters():
@@ -181,37 +201,50 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
         problems = check_compatible(state, eng.layers.expected_shapes())
         if problems:
             raise ApiError(400, f"path: adapter does not fit this model: {problems[0]}", param="path")
-        version = body.version if body.version is not None else eng.shadow.current_version + 1
+        version = body.version if body.version is not None else eng.shadow.latest_version + 1
         if not rt.publish(state, version, source="admin"):
-            raise ApiError(409, f"version {version} is not newer than {eng.shadow.current_version}", param="version")
+            raise ApiError(409, f"version {version} is not newer than {eng.shadow.latest_version}", param="version")
+        return rt.adapters_view()
+
+    @app.post("/admin/rollback")
+    async def admin_rollback(body: AdminRollback):
+        eng = admin()
+        try:
+            rt.rollback(body.version)
+        except UnknownVersion as e:
+            raise ApiError(404, f"version: {e}", "not_found_error", param="version") from None
         return rt.adapters_view()
 
     # ------------------------------------------------------------------ generation
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         eng = engine()
-        _check_model(body)
+        choice = _choose_model(eng, body)
         ids = eng.tokenizer.encode(body.prompt)
-        return await _generate(eng, ids, body, request, chat=False)
+        return await _generate(eng, ids, body, request, chat=False, choice=choice)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         eng = engine()
-        _check_model(body)
+        choice = _choose_model(eng, body)
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
             out = eng.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         except Exception as e:  # noqa: BLE001 - the template rejected the conversation
             raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         ids = list(out["input_ids"] if hasattr(out, "keys") else out)
-        return await _generate(eng, ids, body, request, chat=True)
+        return await _generate(eng, ids, body, request, chat=True, choice=choice)
 
-    def _check_model(body: _Common) -> None:
-        if body.model and body.model != rt.model_name:
-            raise ApiError(404, f"model '{body.model}' does not exist here; this edge serves '{rt.model_name}'",
-                           "not_found_error", param="model", code="model_not_found")
+    def _unknown_model(message: str) -> ApiError:
+        return ApiError(404, message, "not_found_error", param="model", code="model_not_found")
 
-    async def _generate(eng, ids: list[int], body: _Common, request: Request, chat: bool):
+    def _choose_model(eng, body: _Common) -> Choice:
+        try:
+            return resolve(body.model, rt.model_name, rt.cfg.adapters.name, eng.shadow.retained_versions())
+        except UnknownModel as e:
+            raise _unknown_model(str(e)) from None
+
+    async def _generate(eng, ids: list[int], body: _Common, request: Request, chat: bool, choice: Choice):
         limit = eng.max_context
         if len(ids) >= limit:
             raise ApiError(400, f"this edge's maximum context length is {limit} tokens, but the prompt has "
@@ -228,7 +261,10 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
         events: asyncio.Queue = asyncio.Queue()
         slo = eng.slo.override(body.slo.ttft_ms, body.slo.tpot_ms) if body.slo else eng.slo
         try:
-            req = eng.submit(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), slo=slo)
+            req = eng.submit(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), slo=slo,
+                             adapter=choice.version)
+        except UnknownVersion as e:  # dropped from retention between resolving and pinning
+            raise _unknown_model(f"model '{choice.label}': {e}") from None
         except QueueFull as e:
             retry = _retry_after(eng)
             raise ApiError(429, f"{e}; retry after {retry} s", "rate_limit_error", code="queue_full",
@@ -254,13 +290,14 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
                                     f"{retry} s", "rate_limit_error", code="slo_unattainable",
                                headers={"Retry-After": str(retry)})
             raise ApiError(503, "the request could not be served", "service_unavailable")
-        version = first.adapter_version
-        headers = {VERSION_HEADER: str(version), EDGE_HEADER: rt.cfg.name}
+        version = None if first.adapter_version == BASE.version else first.adapter_version
+        headers = {VERSION_HEADER: "base" if version is None else str(version), EDGE_HEADER: rt.cfg.name}
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.stream:
             include_usage = body.stream_options.include_usage if body.stream_options else True
-            stream = _sse(eng, req, events, request, rid, created, version, len(ids), chat, include_usage)
+            stream = _sse(eng, req, events, request, rid, created, version, len(ids), chat, include_usage,
+                          choice.label)
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         try:
@@ -273,15 +310,16 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
             raise
         if ev.reason == "error":
             raise ApiError(500, "the engine failed while generating", "server_error")
-        choice = ({"index": 0, "message": {"role": "assistant", "content": ev.text}, "finish_reason": ev.reason,
+        out = ({"index": 0, "message": {"role": "assistant", "content": ev.text}, "finish_reason": ev.reason,
                    "logprobs": None} if chat else
                   {"index": 0, "text": ev.text, "finish_reason": ev.reason, "logprobs": None})
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": rt.model_name, "choices": [choice], "usage": _usage(len(ids), ev.record.output_tokens),
+            "model": choice.label, "choices": [out], "usage": _usage(len(ids), ev.record.output_tokens),
             "adapter_version": version, "collm": _timings(ev)}, headers=headers)
 
-    async def _sse(eng, req, events, request, rid, created, version, n_prompt, chat, include_usage) -> AsyncIterator[str]:
+    async def _sse(eng, req, events, request, rid, created, version, n_prompt, chat, include_usage,
+                   label: str) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta_text: str | None, finish: str | None, usage: dict | None = None, role: bool = False) -> str:
@@ -290,7 +328,7 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            body = {"id": rid, "object": obj, "created": created, "model": rt.model_name, "choices": [choice],
+            body = {"id": rid, "object": obj, "created": created, "model": label, "choices": [choice],
                     "adapter_version": version}
             if usage is not None:
                 body["usage"] = usage

@@ -168,3 +168,10 @@ class AdminPublish(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str
     version: int | None = Field(None, ge=1)
+
+
+class AdminRollback(BaseModel):
+    """Serve a retained earlier version again (`/admin/rollback`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0)
