@@ -140,6 +140,9 @@ class TrainingConfig(Strict):
     busy_margin: float = Field(0.1, ge=0, le=1)
     busy_window_s: float = Field(10.0, gt=0, description="window over which rho is measured")
     default_round_tokens: int = Field(4096, ge=1, description="round budget when the server assigns none")
+    finish_grace: float = Field(0.25, ge=0, le=1, description="a micro-batch in flight at the round's deadline "
+                                "may finish within this fraction of the deadline after it (no new one starts); "
+                                "0: cut it off and lose its work")
     eval_batch_size: int = Field(4, ge=1)
     max_eval_records: int | None = Field(64, ge=1, description="cap on holdout records per evaluation")
 

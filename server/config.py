@@ -41,7 +41,9 @@ class BalancerConfig(Strict):
     round_deadline_s: float = Field(120.0, gt=0, description="edges stop training after this long")
     round_token_budget: int = Field(20000, ge=1, description="training tokens per round, all edges together")
     min_edge_tokens: int = Field(256, ge=0, description="an edge offered fewer tokens sits the round out")
-    spare_use: float = Field(0.8, gt=0, le=1, description="fraction of an edge's spare capacity training may use")
+    spare_use: float = Field(1.0, gt=0, le=1, description="fraction of an edge's spare time its budget is sized for "
+                             "(the edge's co-execution rule already keeps training out of serving's way; a budget "
+                             "below what the spare time allows leaves the rest of it idle)")
     lr: float = Field(2e-4, gt=0, description="local learning rate sent to the edges")
     idle_wait_s: float = Field(15.0, ge=0, description="pause before the next round when no update was "
                                "aggregated (every edge busy), instead of polling the edges back to back")

@@ -411,3 +411,21 @@ def test_evaluation_of_versions():
     finally:
         eng.stop()
 
+
+def test_a_micro_batch_in_flight_at_the_deadline_may_finish_within_the_grace():
+    """Cutting a half-done micro-batch at the deadline throws its units away; within
+    `training.finish_grace` of the deadline it completes, and no new one starts after it."""
+    eng = tiny_engine(start=False, training={"finish_grace": 0.25})
+    job = eng.trainer.job(TrainBudget(steps=1000, deadline_s=10.0))
+    job.start()
+    job.started_at = 0.0  # a clock we control: deadline at 10 s, grace until 12.5 s
+    assert not job.past_deadline(9.9)
+    job.run_unit()  # the first layer of a micro-batch: it is in flight
+    assert not job.at_pass_boundary()
+    assert not job.past_deadline(10.5) and not job.past_deadline(12.4)
+    assert job.past_deadline(12.5)  # past the grace: cut off
+    while not job.at_pass_boundary():
+        job.run_unit()
+    assert job.report.microbatches == 1
+    assert job.past_deadline(10.5)  # at a boundary after the deadline: no new micro-batch starts
+    assert not job.past_deadline(9.0)

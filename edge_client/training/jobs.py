@@ -53,17 +53,25 @@ class BackgroundJob:
 
     kind = "job"
 
-    def __init__(self, deadline_s: float | None):
+    def __init__(self, deadline_s: float | None, finish_grace: float = 0.0):
         self.future: Future = Future()
         self.report = JobReport(self.kind)
         self.started_at: float | None = None
         self.deadline_s = deadline_s
+        self.finish_grace = finish_grace  # fraction of the deadline a micro-batch in flight may run past it
 
     def start(self) -> None:
         self.started_at = time.perf_counter()
 
     def past_deadline(self, now: float) -> bool:
-        return self.deadline_s is not None and self.started_at is not None and now - self.started_at >= self.deadline_s
+        """At the deadline no new micro-batch starts; one in flight may still finish within
+        `finish_grace * deadline_s` after it (its work would be thrown away otherwise)."""
+        if self.deadline_s is None or self.started_at is None:
+            return False
+        over = now - self.started_at - self.deadline_s
+        if over < 0:
+            return False
+        return self.at_pass_boundary() or over >= self.finish_grace * self.deadline_s
 
     def next_unit(self) -> Unit:
         """The unit `run_unit()` would run (only called while not `done()`)."""

@@ -101,7 +101,7 @@ class TrainJob(BackgroundJob):
 
     def __init__(self, trainer: LocalTrainer, budget: TrainBudget, global_state: dict | None,
                  proximal_mu: float, lr: float | None):
-        super().__init__(budget.deadline_s)
+        super().__init__(budget.deadline_s, trainer.cfg.finish_grace)
         self.t = trainer
         self.budget = budget
         self.global_state = global_state
@@ -198,7 +198,7 @@ class TrainJob(BackgroundJob):
         return (b.steps is not None and r.steps >= b.steps) or (b.tokens is not None and r.tokens >= b.tokens)
 
     def finish(self, deadline_hit: bool = False) -> JobReport:
-        self._pass = None  # a micro-batch cut short by the deadline teaches nothing
+        self._pass = None  # a micro-batch cut short (past the deadline's grace, or at shutdown) teaches nothing
         if self._acc_seqs:  # use the gradients of the micro-batches that completed
             self._optimizer_step()
         self.report.extra["lr"] = self.t.optimizer.param_groups[0]["lr"]
