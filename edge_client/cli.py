@@ -1,5 +1,7 @@
 """`collm-edge --config edge.yaml`: one edge replica (model loaded once, served and trained).
 
+(`collm-edge status` and `collm-edge adapters` look at and steer a running one: `device_cli.py`.)
+
 It listens on the configured host/port at once (`/health` answers 503 while the model loads),
 loads the model, and serves until SIGTERM/SIGINT; then it stops admitting, lets in-flight
 requests finish within `api.shutdown_grace_s`, saves the training state and exits 0. If the
@@ -35,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
+    from collm.edge_client import device_cli
+
+    argv = sys.argv[1:] if argv is None else argv
+    if device_cli.wants(argv):  # `collm-edge status` / `collm-edge adapters ...` against a running edge
+        return device_cli.main(argv)
     args = build_parser().parse_args(argv)
     overrides = {"api": {"port": args.port}} if args.port is not None else None
     cfg = load_config(EdgeConfig, args.config, overrides)

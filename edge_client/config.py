@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from collm.common.auth import AuthConfig
 from collm.common.config import LoraConfig, Strict
 from collm.common.slo import SLO
 
@@ -152,6 +153,8 @@ class ApiConfig(Strict):
     port: int = Field(8080, ge=0, le=65535)
     shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: let in-flight requests finish")
     admin: bool = Field(False, description="enable /admin/* (local training, evaluation, adapter loading)")
+    adapter_dir: str | None = Field(None, description="/admin/adapters loads only from inside this directory (paths "
+                                    "outside it, '..' and symlinks out of it are refused); unset: any path")
 
 
 class AdaptersConfig(Strict):
@@ -204,6 +207,7 @@ class EdgeConfig(Strict):
     data: DataConfig = DataConfig()
     training: TrainingConfig = TrainingConfig()
     api: ApiConfig = ApiConfig()
+    auth: AuthConfig = AuthConfig()
     adapters: AdaptersConfig = AdaptersConfig()
     federation: FederationConfig = FederationConfig()
     state_dir: str = Field("state/{name}", description="adapters and local state; {name} = edge name")

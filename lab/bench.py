@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -148,6 +149,7 @@ class ModeRun:
             half = cfg.replicas // 2
             parts = [parts[i] + parts[i + half] for i in range(half)] * 2
         self.edges = []
+        self.admin_token = secrets.token_urlsafe(24)  # the isolated serving replicas' admin API: this run only
         for i, role in enumerate(self.roles):
             cores = replica_cores(i, cfg.replicas)
             training = {"co_schedule": "naive" if mode == "colocated-naive" else "work_conserving",
@@ -159,7 +161,8 @@ class ModeRun:
                 overrides=deep_merge(cfg.edge, {
                     "slo": {"ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}, "training": training,
                     "model": {"cpu_affinity": cores, "threads": len(cores)},
-                    "api": {"admin": mode == "isolated" and role == "serve"}})))
+                    "api": {"admin": mode == "isolated" and role == "serve", "adapter_dir": str(out / "checkpoints")},
+                    "auth": {"admin_tokens": {"keys": [self.admin_token]}}})))
         self.urls = {e.name: edge_url(e) for e in self.edges}
         self.reloads: list[dict] = []
         self._stop = threading.Event()
@@ -235,7 +238,7 @@ class ModeRun:
                         t0 = time.time()
                         resp = httpx.post(self.urls[e.name] + "/admin/adapters",
                                           json={"path": str(self.ckpt_dir / f"round-{r:04d}"), "version": r},
-                                          timeout=60)
+                                          headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=60)
                         self.reloads.append({"round": r, "edge": e.name, "status": resp.status_code,
                                              "at": time.time(), "seconds": time.time() - t0})
                 seen = r

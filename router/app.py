@@ -47,6 +47,7 @@ from prometheus_client.core import GaugeMetricFamily
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from collm.common.auth import Keys, install
 from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
 
 from collm.router.config import RouterConfig
@@ -221,6 +222,8 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.poll_client: httpx.AsyncClient | None = None
         self._pollers: list[asyncio.Task] = []
+        edge_keys = cfg.edge_key.resolve("edge_key")
+        self.edge_key = edge_keys[0] if edge_keys else None
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -229,10 +232,12 @@ class Router:
         # request never goes out on a connection the edge is closing at that moment
         limits = httpx.Limits(max_connections=p.max_connections, max_keepalive_connections=p.max_connections,
                               keepalive_expiry=p.keepalive_s)
+        auth = {"Authorization": f"Bearer {self.edge_key}"} if self.edge_key else None
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=p.connect_timeout_s, read=p.read_timeout_s, write=30.0, pool=None),
-            limits=limits, transport=self._transport)
-        self.poll_client = httpx.AsyncClient(timeout=self.cfg.health.timeout_s, transport=self._transport)
+            limits=limits, transport=self._transport, headers=auth)
+        self.poll_client = httpx.AsyncClient(timeout=self.cfg.health.timeout_s, transport=self._transport,
+                                             headers=auth)
         await self.poll_all()  # route from the first request on
         self._pollers = [asyncio.create_task(self._poll_loop(e), name=f"collm-router-poll-{e.name}")
                          for e in self.edges]
@@ -339,6 +344,8 @@ class Router:
         if request.headers.get(BEST_EFFORT_HEADER, "").lower() in ("1", "true", "yes"):
             x = replace(x, best_effort=True)
         headers = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
+        if self.edge_key:  # the router's own key towards the edges, not the client's key for the router
+            headers.pop("authorization", None)
         tried: list[str] = []
         failed: list[_Failed] = []
         for attempt in (1, 2):
@@ -555,7 +562,8 @@ def create_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = N
         finally:
             await router.stop()
 
-    app = FastAPI(title="collm-router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="collm-router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    install(app, Keys.from_config(cfg.auth))
     app.state.router = router
 
     @app.exception_handler(StarletteHTTPException)

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from collm.common.auth import AuthConfig, KeySource
 from collm.common.config import Strict
 from collm.common.slo import SLO
 
@@ -101,6 +102,9 @@ class RouterConfig(Strict):
     health: HealthConfig = HealthConfig()
     routing: RoutingConfig = RoutingConfig()
     proxy: ProxyConfig = ProxyConfig()
+    auth: AuthConfig = Field(AuthConfig(), description="keys the router's clients must send (collm.common.auth)")
+    edge_key: KeySource = Field(KeySource(), description="the API key the router sends to the edges (the first "
+                                "one given), when the edges require keys")
 
     @model_validator(mode="after")
     def _unique_edges(self) -> RouterConfig:

@@ -199,7 +199,9 @@ def test_model_picks_the_base_the_global_or_a_retained_version(tmp_path):
     """`model` chooses the adapter per request (serve/models.py); mixed batches stay exact."""
     from collm.edge_client.model.shadow import state_digest
 
-    e = LiveEdge(tiny_config(state_dir=str(tmp_path / "s"), adapters={"retain": 2}, engine={"max_running": 8}))
+    e = LiveEdge(tiny_config(state_dir=str(tmp_path / "s"), adapters={"retain": 2},
+                             engine={"max_running": 8, "shed_late": False}))  # a loaded machine: no 'expired'
+
     try:
         def ask(model, prompt="Once upon a time"):
             body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -243,6 +245,14 @@ def test_model_picks_the_base_the_global_or_a_retained_version(tmp_path):
             assert r.status_code == 404 and err["param"] == "model" and err["code"] == "model_not_found", gone
             assert "available: collm-global, collm-global@3, collm-global@2, collm-tiny" in err["message"]
         assert e.engine.shadow.alive_versions() == [2, 3]  # version 1 fell out of retention and was freed
+
+        counts = {(s.labels["version"], s.name): s.value
+                  for fam in text_string_to_metric_families(httpx.get(e.url + "/metrics").text) for s in fam.samples
+                  if s.name in ("collm_version_requests_total", "collm_version_ttft_seconds_count")
+                  and s.labels.get("finish_reason", "length") == "length"}
+        # per version: @2 served 1 while current + 1 named + 4 concurrent, the base 1 + 4, version 3 1 + 2 + 4
+        assert counts[("2", "collm_version_requests_total")] == 6 and counts[("base", "collm_version_requests_total")] == 5
+        assert counts[("3", "collm_version_ttft_seconds_count")] == 7
     finally:
         e.close()
 

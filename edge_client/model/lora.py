@@ -55,7 +55,9 @@ class AdapterWeights:
     meta: dict = field(default_factory=dict, compare=False)
 
 
-BASE = AdapterWeights(-1, (), (), {"base": True})  # rows bound to it get no LoRA delta: the frozen base
+# Rows bound to BASE get no LoRA delta: the frozen base. Its version, -2, is no real version and
+# differs from -1, which request records use for "never admitted".
+BASE = AdapterWeights(-2, (), (), {"base": True})
 
 
 @dataclass

@@ -10,13 +10,12 @@ servable by name; an older one is freed when its last pinned request releases it
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import hashlib
 
 import torch
 

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from collm.common.adapter_io import check_compatible, load_adapter
+from collm.common.auth import Keys, install
 from collm.common.errors import UserError
 from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
 
@@ -57,8 +58,17 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
     return _AsciiJSON(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
+def _inside(path: str, root: str) -> bool:
+    """True if `path`, symlinks and '..' resolved, lies inside `root` (also resolved)."""
+    from pathlib import Path
+
+    p, r = Path(path).expanduser().resolve(), Path(root).expanduser().resolve()
+    return p == r or r in p.parents
+
+
 def create_app(rt: EdgeRuntime) -> FastAPI:
-    app = FastAPI(title="collm-edge", docs_url=None, redoc_url=None)
+    app = FastAPI(title="collm-edge", docs_url=None, redoc_url=None, openapi_url=None)
+    install(app, Keys.from_config(rt.cfg.auth))
     state: dict = {"metrics": None}
 
     def metrics() -> EdgeMetrics:
@@ -194,6 +204,9 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
     @app.post("/admin/adapters")
     async def admin_publish(body: AdminPublish):
         eng = admin()
+        if rt.cfg.api.adapter_dir is not None and not _inside(body.path, rt.cfg.api.adapter_dir):
+            raise ApiError(403, f"path: adapters load only from inside {rt.cfg.api.adapter_dir} (api.adapter_dir)",
+                           "permission_error", param="path")
         try:
             state, _ = load_adapter(body.path)
         except UserError as e:

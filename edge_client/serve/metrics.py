@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from collm.common import metric_names as M
 
 from collm.edge_client.engine.telemetry import RequestRecord
+from collm.edge_client.model.lora import BASE
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 60.0)
 
@@ -29,20 +30,35 @@ class EdgeMetrics:
                              buckets=LATENCY_BUCKETS)
         self.finished = Counter(M.REQUESTS, "Finished requests", ["finish_reason"], registry=self.registry)
         self.slo_met = Counter(M.REQUESTS_SLO_MET, "Completed requests that met every SLO", registry=self.registry)
+        # per served version, so a dashboard can tell how each round's adapter (or the base) performs
+        self.v_finished = Counter(M.VERSION_REQUESTS, "Finished requests by adapter version", ["version", "finish_reason"],
+                                  registry=self.registry)
+        self.v_slo_met = Counter(M.VERSION_SLO_MET, "Completed requests that met every SLO, by adapter version",
+                                 ["version"], registry=self.registry)
+        self.v_ttft = Histogram(M.VERSION_TTFT, "Time to first token by adapter version (s)", ["version"],
+                                registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.v_tpot = Histogram(M.VERSION_TPOT, "Time per output token by adapter version (s)", ["version"],
+                                registry=self.registry, buckets=LATENCY_BUCKETS)
         self.registry.register(_SnapshotCollector(engine, edge_name))
         engine.telemetry.listeners.append(self.observe)
 
     def observe(self, rec: RequestRecord) -> None:
         self.finished.labels(rec.finish_reason).inc()
+        version = "base" if rec.adapter_version == BASE.version else str(rec.adapter_version)
+        if rec.adapter_version != -1:  # -1: never admitted, so no version served it
+            self.v_finished.labels(version, rec.finish_reason).inc()
         if not rec.completed:
             return
         if rec.ttft_s is not None:
             self.ttft.observe(rec.ttft_s)
+            self.v_ttft.labels(version).observe(rec.ttft_s)
         if rec.tpot_s:
             self.tpot.observe(rec.tpot_s)
+            self.v_tpot.labels(version).observe(rec.tpot_s)
         self.e2e.observe(rec.e2e_s)
         if rec.slo_met:
             self.slo_met.inc()
+            self.v_slo_met.labels(version).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
