@@ -34,7 +34,11 @@ spreads the budget in proportion to weight. Its solution is water-filling:
     x_i  =  min(cap_i, θ · w_i)       θ chosen so that   Σ_i x_i = min(B, Σ_i cap_i)
 
 An edge whose x_i < m sits the round out; the water-filling is then solved again without it (its
-tokens go to the others), until every remaining edge gets at least m. Every participant gets
+tokens go to the others), until every remaining edge gets at least m. With `fill_budget` (the
+server's default), what the caps leave of B, B - Σ x_i, is then handed out in proportion to w_i:
+a cap is only an estimate from a window of load, and an edge that reaches its budget stops
+training with spare time left, while one given more than it can train just meets the deadline
+(its co-execution rule keeps training out of serving's way either way). Every participant gets
 budget ⌊x_i⌋ tokens and the same deadline D.
 """
 
@@ -55,6 +59,7 @@ class BalancerParams:
     round_token_budget: int          # B
     min_edge_tokens: int             # m
     spare_use: float                 # u
+    fill_budget: bool = False        # hand out B - Σ x_i by weight (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,11 @@ def balance(reports: list[LoadReport], p: BalancerParams) -> list[Decision]:
         reasons[k] = f"share {x[k]:.0f} < minimum {p.min_edge_tokens} tokens (cap {caps[k]:.0f})"
         taking.discard(k)
 
+    left = p.round_token_budget - sum(x[k] for k in taking)
+    weight_taking = sum(weights[k] for k in taking)
+    extra = {k: (left * weights[k] / weight_taking if p.fill_budget and left > 0 and weight_taking > 0 else 0.0)
+             for k in taking}
+
     decisions = []
     for r in reports:
         name = r.name
@@ -146,13 +156,15 @@ def balance(reports: list[LoadReport], p: BalancerParams) -> list[Decision]:
             decisions.append(Decision(name, False, 0, 0.0, reasons[name],
                                       caps.get(name, 0.0), weights.get(name, 0.0)))
             continue
-        tokens = int(x[name])
+        tokens = int(x[name] + extra[name])
         if x[name] >= caps[name] - 1e-9:
             why = (f"capacity-bound: spare {r.spare_capacity:.2f}, queue {r.queue_depth:g} "
                    f"→ cap {caps[name]:.0f} tokens")
         else:
             why = (f"share of budget: weight {weights[name]:.3g} (gain {gains[name]:.3g} × "
                    f"{r.train_examples} examples), cap {caps[name]:.0f}")
+        if extra[name]:
+            why += f", + {extra[name]:.0f} of the budget the caps left"
         decisions.append(Decision(name, True, tokens, float(p.round_deadline_s), f"{tokens} tokens; {why}",
                                   caps[name], weights[name]))
     return decisions

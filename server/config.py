@@ -44,6 +44,8 @@ class BalancerConfig(Strict):
     spare_use: float = Field(1.0, gt=0, le=1, description="fraction of an edge's spare time its budget is sized for "
                              "(the edge's co-execution rule already keeps training out of serving's way; a budget "
                              "below what the spare time allows leaves the rest of it idle)")
+    fill_budget: bool = Field(True, description="hand the part of round_token_budget the edges' spare-time caps "
+                              "leave over to them by weight (the deadline still bounds each edge)")
     lr: float = Field(2e-4, gt=0, description="local learning rate sent to the edges")
     idle_wait_s: float = Field(15.0, ge=0, description="pause before the next round when no update was "
                                "aggregated (every edge busy), instead of polling the edges back to back")

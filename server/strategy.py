@@ -67,6 +67,7 @@ class CollmRounds:
             round_token_budget=server_cfg.balancer.round_token_budget,
             min_edge_tokens=server_cfg.balancer.min_edge_tokens,
             spare_use=server_cfg.balancer.spare_use,
+            fill_budget=server_cfg.balancer.fill_budget,
         )
         self.balance = BALANCERS[server_cfg.balancer.mode]  # the rule, or the uniform baseline
         self.history: dict[int, dict] = {}        # real round -> what happened (metrics.json)

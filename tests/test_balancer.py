@@ -143,3 +143,20 @@ def test_uniform_baseline_ignores_load_and_slo():
     d = {x.name: x for x in uniform(reports, p)}
     assert d["a"].take_part and d["a"].budget_tokens == d["b"].budget_tokens == 4500
     assert not d["c"].take_part
+
+
+def test_fill_budget_hands_out_what_the_caps_leave_by_weight():
+    from dataclasses import replace
+
+    reports = [edge("idle", spare=0.9, gain=1.0), edge("busy", spare=0.1, gain=3.0)]
+    capped = by_name(balance(reports, P))
+    filled = by_name(balance(reports, replace(P, fill_budget=True)))
+    left = P.round_token_budget - capped["idle"].budget_tokens - capped["busy"].budget_tokens
+    assert left > 0
+    # weights 1 x 100 and 3 x 100: a quarter and three quarters of what is left
+    assert filled["idle"].budget_tokens == pytest.approx(capped["idle"].budget_tokens + left / 4, abs=1)
+    assert filled["busy"].budget_tokens == pytest.approx(capped["busy"].budget_tokens + 3 * left / 4, abs=1)
+    assert sum(d.budget_tokens for d in filled.values()) <= P.round_token_budget
+    assert "of the budget the caps left" in filled["busy"].reason
+    tight = replace(P, fill_budget=True, round_token_budget=5000)  # B binds: nothing is left to hand out
+    assert by_name(balance(reports, tight)) == by_name(balance(reports, replace(tight, fill_budget=False)))

@@ -207,19 +207,20 @@ def test_two_rounds_balancer_budgets_and_checkpoints(tmp_path):
 
     idle, busy, slow = EDGES["idle"], EDGES["busy"], EDGES["slow"]
     assert idle.queries == busy.queries == slow.queries == 2
-    # one TRAIN message per taking-part edge, each with its own budget: cap = c·s·u·D
+    # one TRAIN message per taking-part edge, each with its own budget: cap = c·s·u·D plus a share of what is left
     for r in (1, 2):
         trains = {m.metadata.dst_node_id: dict(m.content["config"]) for m in grid.sent_of(MessageType.TRAIN, r)}
         assert set(trains) == {101, 202}                       # slow (303) got no TRAIN message
-        assert trains[101] == {"server-round": r, "budget-tokens": 9000, "deadline-s": 10.0, "lr": 2e-4}
-        assert trains[202]["budget-tokens"] == 1000
+        assert trains[101] == {"server-round": r, "budget-tokens": 14000, "deadline-s": 10.0, "lr": 2e-4}
+        # caps c·s·u·D = 9000 and 1000, plus half each of the 10000 the caps leave of B (equal weights)
+        assert trains[202]["budget-tokens"] == 6000
     assert slow.train_configs == [] and slow.evals == [1, 2]   # it is still evaluated
 
     # round 1 starts from the empty global (edges use their seeded adapter); round 2 from the FedAvg
     assert all(len(m.content["arrays"]) == 0 for m in grid.sent_of(MessageType.TRAIN, 1))
     init = seeded_initial_adapter()
     want1 = fedavg([{k: v + idle.delta() for k, v in init.items()},
-                    {k: v + busy.delta() for k, v in init.items()}], [90, 10])
+                    {k: v + busy.delta() for k, v in init.items()}], [140, 60])
     for k in KEYS:
         np.testing.assert_allclose(idle.train_arrays[1][k], want1[k], rtol=1e-5, atol=1e-7)
         assert result.arrays[k].numpy().dtype == np.float32
@@ -237,9 +238,9 @@ def test_two_rounds_balancer_budgets_and_checkpoints(tmp_path):
     decisions = {d["edge"]: d for d in m1["balancer"]}
     assert decisions["slow"]["take_part"] is False
     assert decisions["slow"]["reason"] == "below SLO target: attainment 0.90 < 0.95"
-    assert decisions["busy"]["budget_tokens"] == 1000 and "spare 0.10" in decisions["busy"]["reason"]
+    assert decisions["busy"]["budget_tokens"] == 6000 and "spare 0.10" in decisions["busy"]["reason"]
     assert m1["kept"] == ["idle", "busy"] or m1["kept"] == ["busy", "idle"]
-    assert set(m1["train"]) == {"idle", "busy"} and m1["train"]["idle"]["num-examples"] == 90
+    assert set(m1["train"]) == {"idle", "busy"} and m1["train"]["idle"]["num-examples"] == 140
     assert set(m1["eval"]) == {"idle", "busy", "slow"} and 0 < m1["wall_s"] < cfg.round_timeout_s
     table = summary_table(load_all_metrics(cfg.checkpoint_dir))
     assert "slow" in table and len(table.splitlines()) == 4
@@ -371,7 +372,7 @@ def test_fedadam_runs_and_resumes_its_moments(tmp_path):
     ck1, ck2 = load_round(cfg.checkpoint_dir, 1), load_round(cfg.checkpoint_dir, 2)
     init = seeded_initial_adapter()
     want1 = fedavg([{k: v + EDGES["idle"].delta() for k, v in init.items()},
-                    {k: v + EDGES["busy"].delta() for k, v in init.items()}], [90, 10])
+                    {k: v + EDGES["busy"].delta() for k, v in init.items()}], [140, 60])
     for k in KEYS:
         np.testing.assert_allclose(ck1.arrays[k], want1[k], rtol=1e-5, atol=1e-7)
     # round 2: a server Adam step of size ≈ eta per coordinate (not the plain FedAvg)
