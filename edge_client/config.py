@@ -163,6 +163,8 @@ class AdaptersConfig(Strict):
     name: str = Field("collm-global", pattern=r"^[A-Za-z0-9_.-]+$",
                       description="model id of the global adapter; `<name>@<version>` names a retained version")
     retain: int = Field(4, ge=1, le=64, description="last published versions kept servable by `<name>@<version>`")
+    local_every: int = Field(4, ge=0, description="serve the training adapter as `<name>:local` every this many "
+                             "local optimizer steps (the global plus what this edge trained since; 0: off)")
     canary_margin: float | None = Field(0.05, ge=0, description="before a new global is served, its holdout loss "
                                         "must be at most (1 + margin) x the serving version's, else the edge keeps "
                                         "serving what it serves (edge_client/federation/canary.py); null: no gate, "

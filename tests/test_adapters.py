@@ -6,11 +6,13 @@ import time
 import pytest
 from helpers import prompt, random_adapter_state, tiny_engine
 
+from collm.edge_client.training.jobs import TrainBudget
+
 from collm.edge_client.engine import FinishEvent
 from collm.edge_client.model.sampling import SamplingParams
 
 from collm.edge_client.federation.canary import canary_verdict
-from collm.edge_client.model.lora import BASE
+from collm.edge_client.model.lora import BASE, LOCAL_VERSION
 from collm.edge_client.model.shadow import StaleVersion, UnknownVersion
 from collm.edge_client.serve.models import Choice, UnknownModel, model_ids, resolve
 
@@ -22,9 +24,11 @@ def test_model_names_resolve_to_the_global_a_retained_version_or_the_base():
     assert resolve(None, *args) == resolve("", *args) == resolve("collm-global", *args) == Choice(None, "collm-global")
     assert resolve("SmolLM2", *args) == Choice(BASE.version, "SmolLM2")
     assert resolve("collm-global@4", *args) == Choice(4, "collm-global@4")
-    assert model_ids(*args) == ["collm-global", "collm-global@5", "collm-global@4", "collm-global@3", "SmolLM2"]
-    for bad in ("collm-global@2", "collm-global@-1", "collm-global@", "other@4", "gpt-4o"):
-        with pytest.raises(UnknownModel, match="available: collm-global, collm-global@5"):
+    assert resolve("collm-global:local", *args) == Choice(LOCAL_VERSION, "collm-global:local")
+    assert model_ids(*args) == ["collm-global", "collm-global:local", "collm-global@5", "collm-global@4",
+                                "collm-global@3", "SmolLM2"]
+    for bad in ("collm-global@2", "collm-global@-1", "collm-global@", "other@4", "gpt-4o", "other:local"):
+        with pytest.raises(UnknownModel, match="available: collm-global, collm-global:local, collm-global@5"):
             resolve(bad, *args)
 
 
@@ -90,5 +94,24 @@ def test_rollback_serves_a_retained_version_again_and_numbers_are_never_reused()
             eng.shadow.rollback(7)
         eng.shadow.publish(s[2], 3)
         assert eng.shadow.current_version == 3
+    finally:
+        eng.stop()
+
+
+def test_the_local_adapter_serves_what_this_edge_trained_since_the_last_global():
+    eng = tiny_engine(adapters={"local_every": 1}, training={"lr": 0.05})
+    try:
+        p = prompt(eng, "once upon")
+        before = eng.generate(p, GREEDY, adapter=LOCAL_VERSION)  # nothing trained yet: it is the global
+        assert before.record.adapter_version == 0
+        eng.train(TrainBudget(steps=2)).result(timeout=120)
+        assert eng.shadow.local_info()["steps"] == eng.trainer.total_steps and eng.shadow.local_publishes == 2
+        local = eng.generate(p, GREEDY, adapter=LOCAL_VERSION)
+        assert local.record.adapter_version == LOCAL_VERSION
+        assert eng.generate(p, GREEDY).record.adapter_version == 0  # the global is still version 0
+        eng.shadow.publish(eng.trainer.adapter.state_dict_peft(), 1)  # the same weights as a global version
+        assert eng.generate(p, GREEDY).text == local.text != before.text
+        after = eng.generate(p, GREEDY, adapter=LOCAL_VERSION)  # a new global resets the local adapter to it
+        assert after.record.adapter_version == 1 and eng.shadow.local_info() is None
     finally:
         eng.stop()

@@ -217,8 +217,10 @@ def test_model_picks_the_base_the_global_or_a_retained_version(tmp_path):
         assert len(set(ref.values())) == 4  # every version answers differently: the checks below can fail
 
         models = httpx.get(e.url + "/v1/models").json()["data"]
-        assert [m["id"] for m in models] == ["collm-global", "collm-global@3", "collm-global@2", "collm-tiny"]
-        glob, v3, v2, base = models
+        assert [m["id"] for m in models] == ["collm-global", "collm-global:local", "collm-global@3", "collm-global@2",
+                                             "collm-tiny"]
+        glob, local, v3, v2, base = models
+        assert local["parent"] == "collm-global" and local["local_steps"] == 0 and local["based_on_version"] == 3
         assert glob["adapter_version"] == 3 and glob["round"] == 3 and glob["parent"] == "collm-tiny"
         assert glob["sha256"] == v3["sha256"] == state_digest(states[3]) != v2["sha256"]
         assert v2["parent"] == "collm-global" and v2["root"] == "collm-tiny" and v2["adapter_version"] == 2
@@ -243,7 +245,8 @@ def test_model_picks_the_base_the_global_or_a_retained_version(tmp_path):
             r = ask(gone)
             err = r.json()["error"]
             assert r.status_code == 404 and err["param"] == "model" and err["code"] == "model_not_found", gone
-            assert "available: collm-global, collm-global@3, collm-global@2, collm-tiny" in err["message"]
+            assert "available: collm-global, collm-global:local, collm-global@3, collm-global@2, collm-tiny" \
+                in err["message"]
         assert e.engine.shadow.alive_versions() == [2, 3]  # version 1 fell out of retention and was freed
 
         counts = {(s.labels["version"], s.name): s.value
@@ -253,6 +256,8 @@ def test_model_picks_the_base_the_global_or_a_retained_version(tmp_path):
         # per version: @2 served 1 while current + 1 named + 4 concurrent, the base 1 + 4, version 3 1 + 2 + 4
         assert counts[("2", "collm_version_requests_total")] == 6 and counts[("base", "collm_version_requests_total")] == 5
         assert counts[("3", "collm_version_ttft_seconds_count")] == 7
+        # version 1 left retention: its series are dropped, so the scrape does not grow by one per round
+        assert not any(v in ("0", "1") for v, _ in counts)
     finally:
         e.close()
 

@@ -96,6 +96,8 @@ class Engine:
                 self.holdout = self.holdout[: cfg.training.max_eval_records]
             self.trainer = LocalTrainer(self.parts, self.layers, adapter, cfg.training, train, tok.pad_token_id,
                                         cfg.lora.dropout, seed)
+            if cfg.adapters.local_every:
+                self.trainer.on_step = self._publish_local
         eos = {self.tokenizer.eos_token_id}
         gen_eos = getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None)
         eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
@@ -164,11 +166,12 @@ class Engine:
             self._lock.notify()
 
     def train(self, budget: TrainBudget, global_state: dict | None = None, proximal_mu: float = 0.0,
-              lr: float | None = None) -> Future:
-        """Queue local training; the future resolves to a JobReport."""
+              lr: float | None = None, serve_local: bool = True) -> Future:
+        """Queue local training; the future resolves to a JobReport. `serve_local`: publish its steps as
+        `<name>:local` (every `adapters.local_every`)."""
         if self.trainer is None:
             raise EngineError("this engine has no training data")
-        return self._queue_job(self.trainer.job(budget, global_state, proximal_mu, lr))
+        return self._queue_job(self.trainer.job(budget, global_state, proximal_mu, lr, serve_local))
 
     def evaluate(self, version: int | None = None, state: dict | None = None,
                  deadline_s: float | None = None) -> Future:
@@ -184,6 +187,12 @@ class Engine:
         job = EvalJob(self.parts, weights, self.holdout, self.cfg.training.eval_batch_size,
                       self.tokenizer.pad_token_id, self.device, deadline_s)
         return self._queue_job(job)
+
+    def _publish_local(self, steps: int) -> None:
+        """Every `adapters.local_every` optimizer steps: serve the training adapter as `<name>:local`
+        (engine thread, between units; a copy of the adapter, milliseconds)."""
+        if steps % self.cfg.adapters.local_every == 0:
+            self.shadow.publish_local(self.trainer.adapter.state_dict_peft(), steps)
 
     def _queue_job(self, job: BackgroundJob) -> Future:
         with self._lock:

@@ -116,8 +116,10 @@ class FederatedEdge:
         t0 = time.time()
         log.info("edge %s: round %d: training up to %d tokens within %s s", self.rt.cfg.name, rnd, tokens,
                  budget.deadline_s)
+        # a global the canary refused is trained from (the federation's round) but not served, not even as :local
         report = eng.train(budget, global_state=state, proximal_mu=float(cfg.get(P.PROXIMAL_MU, 0.0)),
-                           lr=float(cfg[P.LR]) if P.LR in cfg else None).result()
+                           lr=float(cfg[P.LR]) if P.LR in cfg else None,
+                           serve_local=(rnd - 1) not in self.refused).result()
         with self.lock:
             self.rounds_trained += 1
             self.last_round = rnd

@@ -58,6 +58,7 @@ class AdapterWeights:
 # Rows bound to BASE get no LoRA delta: the frozen base. Its version, -2, is no real version and
 # differs from -1, which request records use for "never admitted".
 BASE = AdapterWeights(-2, (), (), {"base": True})
+LOCAL_VERSION = -3  # what a request names to get the edge's own adapter (`ShadowAdapter.publish_local`)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collm.edge_client.model.lora import BASE, AdapterWeights, LoRALayers
+from collm.edge_client.model.lora import BASE, LOCAL_VERSION, AdapterWeights, LoRALayers
 
 
 class StaleVersion(ValueError):
@@ -73,6 +73,10 @@ class ShadowAdapter:
         self._retained: deque[int] = deque(maxlen=max(1, retain))  # the last published (servable by name)
         self._states: dict[int, dict[str, torch.Tensor]] = {}  # PEFT state of each retained version (rollback)
         self._latest = -1  # the newest version ever published: a version number is never reused
+        # the edge's own adapter (the global plus what it trained since), republished every few local
+        # steps; requests hold a reference, so a replaced one is freed with its last request
+        self._local: AdapterWeights | None = None
+        self.local_publishes = 0
         self.history: deque[VersionInfo] = deque(maxlen=history)
         self.swaps = 0
         self.last_publish_s = 0.0
@@ -100,6 +104,20 @@ class ShadowAdapter:
             self._latest = version
             self.last_publish_s = time.perf_counter() - t0
         return weights
+
+    def publish_local(self, state: dict[str, torch.Tensor], steps: int) -> AdapterWeights:
+        """Serve `state` (the training adapter) to requests that name the local adapter; the next global
+        publish resets it to that global until the edge has trained on top of it again."""
+        weights = self._layers.serving_weights(state, LOCAL_VERSION, self._device, self._dtype,
+                                               meta={"local": True, "steps": steps, "based_on": self.current_version})
+        with self._lock:
+            self._local = weights
+            self.local_publishes += 1
+        return weights
+
+    def local_info(self) -> dict | None:
+        w = self._local
+        return None if w is None else dict(w.meta)
 
     def rollback(self, version: int, persist: Callable[[dict, VersionInfo], None] | None = None) -> VersionInfo:
         """Serve the retained `version` again (the admin's undo); UnknownVersion if it is not retained."""
@@ -131,6 +149,7 @@ class ShadowAdapter:
             self._states[version] = state
             if old is not None:
                 self.swaps += 1
+            self._local = None  # the local adapter starts again from this global
             if dropped is not None:
                 self._states.pop(dropped, None)
                 if self._pins.get(dropped, 0) == 0 and dropped != self._current.version:
@@ -148,7 +167,9 @@ class ShadowAdapter:
         if version == BASE.version:
             return BASE
         with self._lock:
-            if version is None:
+            if version == LOCAL_VERSION and self._local is not None:
+                return self._local  # not counted: a reference keeps it, and it is never in `_alive`
+            if version is None or version == LOCAL_VERSION:  # no local adapter yet: it is the global
                 w = self._current
                 if w is None:
                     raise RuntimeError("no adapter published yet")
@@ -160,7 +181,7 @@ class ShadowAdapter:
             return w
 
     def release(self, w: AdapterWeights) -> None:
-        if w is BASE:
+        if w is BASE or w.version == LOCAL_VERSION:
             return
         with self._lock:
             n = self._pins.get(w.version, 0) - 1

@@ -29,7 +29,7 @@ from collm.edge_client.engine import (AdmittedEvent, EngineError, EngineFailed, 
                                      QueueFull, ShuttingDown, TokenEvent)
 from collm.edge_client.serve.metrics import EdgeMetrics
 from collm.edge_client.serve.models import Choice, UnknownModel, model_ids, resolve
-from collm.edge_client.model.lora import BASE
+from collm.edge_client.model.lora import BASE, LOCAL_VERSION
 from collm.edge_client.model.shadow import UnknownVersion
 from collm.edge_client.serve.openai_schema import (AdminEvaluate, AdminPublish, AdminRollback, AdminTrain, ChatRequest,
                                                   CompletionRequest, _Common)
@@ -150,6 +150,10 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
                 data.append(entry(base, None, None))
             elif mid == name:
                 data.append(entry(name, base, shadow.current_version))
+            elif mid.endswith(":local"):
+                local = shadow.local_info()
+                data.append({**entry(mid, name, None), "local_steps": local["steps"] if local else 0,
+                             "based_on_version": local["based_on"] if local else shadow.current_version})
             else:
                 data.append(entry(mid, name, int(mid.rpartition("@")[2])))
         return {"object": "list", "data": data}
@@ -303,8 +307,9 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
                                     f"{retry} s", "rate_limit_error", code="slo_unattainable",
                                headers={"Retry-After": str(retry)})
             raise ApiError(503, "the request could not be served", "service_unavailable")
-        version = None if first.adapter_version == BASE.version else first.adapter_version
-        headers = {VERSION_HEADER: "base" if version is None else str(version), EDGE_HEADER: rt.cfg.name}
+        kind = {BASE.version: "base", LOCAL_VERSION: "local"}.get(first.adapter_version)
+        version = None if kind else first.adapter_version
+        headers = {VERSION_HEADER: kind or str(version), EDGE_HEADER: rt.cfg.name}
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.stream:

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from collm.common import metric_names as M
 
 from collm.edge_client.engine.telemetry import RequestRecord
-from collm.edge_client.model.lora import BASE
+from collm.edge_client.model.lora import BASE, LOCAL_VERSION
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 60.0)
 
@@ -39,13 +39,16 @@ class EdgeMetrics:
                                 registry=self.registry, buckets=LATENCY_BUCKETS)
         self.v_tpot = Histogram(M.VERSION_TPOT, "Time per output token by adapter version (s)", ["version"],
                                 registry=self.registry, buckets=LATENCY_BUCKETS)
+        self._series: set[tuple[str, str]] = set()  # (version, finish_reason) label sets in use
         self.registry.register(_SnapshotCollector(engine, edge_name))
         engine.telemetry.listeners.append(self.observe)
 
     def observe(self, rec: RequestRecord) -> None:
         self.finished.labels(rec.finish_reason).inc()
-        version = "base" if rec.adapter_version == BASE.version else str(rec.adapter_version)
+        version = {BASE.version: "base", LOCAL_VERSION: "local"}.get(rec.adapter_version, str(rec.adapter_version))
         if rec.adapter_version != -1:  # -1: never admitted, so no version served it
+            self._prune()
+            self._series.add((version, rec.finish_reason))
             self.v_finished.labels(version, rec.finish_reason).inc()
         if not rec.completed:
             return
@@ -59,6 +62,21 @@ class EdgeMetrics:
         if rec.slo_met:
             self.slo_met.inc()
             self.v_slo_met.labels(version).inc()
+
+    def _prune(self) -> None:
+        """Drop the per-version series of versions no longer retained: one series per round would
+        grow the scrape (the router reads it twice a second) without bound."""
+        live = {str(v) for v in self.engine.shadow.retained_versions()} | {"base", "local"}
+        stale = {s for s in self._series if s[0] not in live}
+        for version, reason in stale:
+            self.v_finished.remove(version, reason)
+            self._series.discard((version, reason))
+        for version in {v for v, _ in stale}:
+            for family in (self.v_slo_met, self.v_ttft, self.v_tpot):
+                try:
+                    family.remove(version)
+                except KeyError:  # this version never completed a request
+                    pass
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,6 +3,9 @@
     <base>              the frozen base model, no LoRA (e.g. "SmolLM2-135M-Instruct")
     <name> or omitted   the current global adapter (`adapters.name`, default "collm-global")
     <name>@<version>    a retained earlier version (the last `adapters.retain` published)
+    <name>:local        this edge's own adapter: the global plus what it trained on its local data
+                        since (republished every `adapters.local_every` optimizer steps; the global
+                        until then)
 
 Each request keeps what it resolved to from its first token to its last (the engine pins it).
 `resolve` is a pure function over plain data, so the API, the router and the tests share it.
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collm.edge_client.model.lora import BASE
+from collm.edge_client.model.lora import BASE, LOCAL_VERSION
 
 
 class UnknownModel(LookupError):
@@ -29,7 +32,7 @@ class Choice:
 
 def model_ids(base: str, name: str, retained: list[int]) -> list[str]:
     """Every id `resolve` accepts, in the order `/v1/models` lists them (the default first)."""
-    return [name, *(f"{name}@{v}" for v in sorted(retained, reverse=True)), base]
+    return [name, f"{name}:local", *(f"{name}@{v}" for v in sorted(retained, reverse=True)), base]
 
 
 def resolve(model: str | None, base: str, name: str, retained: list[int]) -> Choice:
@@ -38,6 +41,8 @@ def resolve(model: str | None, base: str, name: str, retained: list[int]) -> Cho
         return Choice(None, name)
     if model == base:
         return Choice(BASE.version, base)
+    if model == f"{name}:local":
+        return Choice(LOCAL_VERSION, model)
     head, sep, tail = model.partition("@")
     if sep and head == name:
         if tail.isdigit() and int(tail) in retained:

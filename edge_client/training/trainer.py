@@ -73,6 +73,7 @@ class LocalTrainer:
         self.total_steps = 0
         self.total_tokens = 0
         self.last_loss: float | None = None
+        self.on_step = None  # called with total_steps after every optimizer step (the engine publishes `:local`)
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.adapter.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
@@ -92,8 +93,10 @@ class LocalTrainer:
         return timed_units(self.new_pass(self.stream.peek(self.cfg.micro_batch_size)))
 
     def job(self, budget: TrainBudget, global_state: dict | None = None, proximal_mu: float = 0.0,
-            lr: float | None = None) -> TrainJob:
-        return TrainJob(self, budget, global_state, proximal_mu, lr)
+            lr: float | None = None, serve_local: bool = True) -> TrainJob:
+        job = TrainJob(self, budget, global_state, proximal_mu, lr)
+        job.serve_local = serve_local  # False: this job's steps are not served as `:local` (e.g. a refused global)
+        return job
 
 
 class TrainJob(BackgroundJob):
@@ -108,6 +111,7 @@ class TrainJob(BackgroundJob):
         self.mu = proximal_mu
         self.lr = lr
         self._anchor: list[torch.Tensor] | None = None
+        self.serve_local = True
         self._pass: LayerwisePass | None = None
         self._grads: dict[int, torch.Tensor] = {}
         self._acc_seqs = 0
@@ -190,6 +194,8 @@ class TrainJob(BackgroundJob):
         t.optimizer.zero_grad(set_to_none=True)
         t.total_steps += 1
         self.report.steps += 1
+        if t.on_step is not None and self.serve_local:
+            t.on_step(t.total_steps)
         self._grads.clear()
         self._acc_seqs = self._acc_tokens = 0
 
