@@ -461,17 +461,20 @@ class NativeCompose:
             return [sys.executable, *argv[1:]]
         return [str(BIN / argv[0]), *argv[1:]]
 
-    def env(self) -> dict:
-        return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "FLWR_HOME": str(self.root / "flwr"),
-                "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1",
-                "OMP_WAIT_POLICY": "PASSIVE"}
+    def env(self, name: str | None = None) -> dict:
+        """The service's `environment:` (compose's ${VAR:-default} at its default), under this machine's
+        environment: a variable set here wins, as compose takes it from the shell."""
+        service_env = {k: str(v) for k, v in (self.project["services"].get(name or "", {}).get("environment") or {}).items()}
+        return {**service_env, **os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+                "FLWR_HOME": str(self.root / "flwr"), "FLWR_TELEMETRY_ENABLED": "0",
+                "FLWR_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
     def start(self, name: str) -> subprocess.Popen:
         for v in map(volume, self.project["services"][name].get("volumes", [])):
             if v["type"] == "volume":
                 self.volume_dir(v["source"]).mkdir(parents=True, exist_ok=True)
         log = open(self.root / "logs" / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(self.argv(name), cwd=self.app, env=self.env(), stdout=log,
+        self.procs[name] = subprocess.Popen(self.argv(name), cwd=self.app, env=self.env(name), stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
         return self.procs[name]
 
@@ -512,7 +515,11 @@ class NativeCompose:
 
 
 @pytest.mark.slow
-def test_tls_profile_services_run_natively_and_complete_a_round(tmp_path):
+def test_tls_profile_services_run_natively_and_complete_a_round(tmp_path, monkeypatch):
+    # keys through the environment, as compose passes them: clients need COLLM_API_KEYS at the router,
+    # which reaches the edges with COLLM_EDGE_KEYS (the edges refuse anything else)
+    monkeypatch.setenv("COLLM_API_KEYS", "client-key")
+    monkeypatch.setenv("COLLM_EDGE_KEYS", "edge-key")
     lab = NativeCompose(TLS, tmp_path)
     t0 = time.monotonic()
     try:
@@ -536,11 +543,16 @@ def test_tls_profile_services_run_natively_and_complete_a_round(tmp_path):
         lab.wait_healthy(EDGES, 300)
         lab.wait_healthy(["router"], 30)
         router = f"http://127.0.0.1:{lab.ports[8090]}"
-        model = httpx.get(router + "/v1/models", timeout=10).json()["data"][0]["id"]
-        r = httpx.post(router + "/v1/chat/completions", timeout=120, json={
+        key = {"Authorization": "Bearer client-key"}
+        assert httpx.get(router + "/v1/models", timeout=10).status_code == 401
+        model = httpx.get(router + "/v1/models", timeout=10, headers=key).json()["data"][0]["id"]
+        r = httpx.post(router + "/v1/chat/completions", timeout=120, headers=key, json={
             "model": model, "messages": [{"role": "user", "content": "Name two planets with rings."}],
             "max_tokens": 8})
         assert r.status_code == 200 and r.headers["X-CoLLM-Edge"] in EDGES
+        edge1 = f"http://127.0.0.1:{lab.ports[8081]}"
+        assert httpx.post(edge1 + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=key,
+                          timeout=30).status_code == 401  # the client's key is not an edge key
         t_up = time.monotonic() - t0
         server = lab.run("server", 420)
         assert server.returncode == 0 and "finished:completed" in server.stdout, server.stdout[-4000:]
