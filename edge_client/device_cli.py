@@ -101,7 +101,10 @@ def main(argv: list[str]) -> int:
     base = _base_url(args)
     if args.command == "status":
         h = status(base, args)
-        print(json.dumps(h, indent=2)) if args.json else _print_status(h)
+        if args.json:
+            print(json.dumps(h, indent=2))
+        else:
+            _print_status(h)
         return 0
     if args.action in ("rollback", "pin"):
         view = _call("POST", base + "/admin/rollback", args.token, json={"version": args.version})
@@ -109,7 +112,10 @@ def main(argv: list[str]) -> int:
         return 0
     models = _call("GET", base + "/v1/models", args.key)
     view = _call("GET", base + "/v1/adapters", args.key)
-    print(json.dumps({"models": models, "adapters": view}, indent=2)) if args.json else _print_adapters(models, view)
+    if args.json:
+        print(json.dumps({"models": models, "adapters": view}, indent=2))
+    else:
+        _print_adapters(models, view)
     return 0
 
 

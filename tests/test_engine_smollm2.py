@@ -13,14 +13,20 @@ from collm.edge_client.training.trainer import TrainBudget
 pytestmark = pytest.mark.slow
 
 
-def test_training_lowers_holdout_loss_on_a_dolly_category(smollm2_lm):
-    cfg = validate_config(EdgeConfig, {
+def smollm2_config(eval_records: int, **extra) -> EdgeConfig:
+    """SmolLM2 on one Dolly category, small enough to train and evaluate in a test."""
+    return validate_config(EdgeConfig, {
         "model": {"source": "bundled", "device": "cpu"},
         "engine": {"max_running": 4, "kv_cache_mb": 64},
         "data": {"categories": ["classification"]},
         "training": {"lr": 0.0005, "micro_batch_size": 2, "grad_accum_steps": 2, "max_seq_len": 128,
-                     "max_eval_records": 12, "eval_batch_size": 4},
+                     "max_eval_records": eval_records, "eval_batch_size": 4},
+        **extra,
     }, "test")
+
+
+def test_training_lowers_holdout_loss_on_a_dolly_category(smollm2_lm):
+    cfg = smollm2_config(eval_records=12)
     engine = Engine(smollm2_lm, cfg, load_edge_data(cfg.data)).start()
     try:
         before = engine.evaluate().result(timeout=600)
@@ -46,14 +52,7 @@ def test_the_canary_gate_refuses_a_bad_global_and_serves_a_good_one(smollm2_lm, 
     from collm.edge_client.federation.records import to_arrays
     from collm.edge_client.runtime import EdgeRuntime
 
-    cfg = validate_config(EdgeConfig, {
-        "model": {"source": "bundled", "device": "cpu"},
-        "engine": {"max_running": 4, "kv_cache_mb": 64},
-        "data": {"categories": ["classification"]},
-        "training": {"lr": 0.0005, "micro_batch_size": 2, "grad_accum_steps": 2, "max_seq_len": 128,
-                     "max_eval_records": 8, "eval_batch_size": 4},
-        "state_dir": str(tmp_path / "state"),
-    }, "test")
+    cfg = smollm2_config(eval_records=8, state_dir=str(tmp_path / "state"))
     rt = EdgeRuntime(cfg)
     rt.model_name = smollm2_lm.name
     rt.engine = engine = Engine(smollm2_lm, cfg, load_edge_data(cfg.data)).start()

@@ -14,6 +14,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -60,8 +61,6 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
 
 def _inside(path: str, root: str) -> bool:
     """True if `path`, symlinks and '..' resolved, lies inside `root` (also resolved)."""
-    from pathlib import Path
-
     p, r = Path(path).expanduser().resolve(), Path(root).expanduser().resolve()
     return p == r or r in p.parents
 

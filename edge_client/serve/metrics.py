@@ -40,6 +40,7 @@ class EdgeMetrics:
         self.v_tpot = Histogram(M.VERSION_TPOT, "Time per output token by adapter version (s)", ["version"],
                                 registry=self.registry, buckets=LATENCY_BUCKETS)
         self._series: set[tuple[str, str]] = set()  # (version, finish_reason) label sets in use
+        self._pruned_at = -1  # the latest published version when the series were last pruned
         self.registry.register(_SnapshotCollector(engine, edge_name))
         engine.telemetry.listeners.append(self.observe)
 
@@ -66,6 +67,10 @@ class EdgeMetrics:
     def _prune(self) -> None:
         """Drop the per-version series of versions no longer retained: one series per round would
         grow the scrape (the router reads it twice a second) without bound."""
+        latest = self.engine.shadow.latest_version
+        if latest == self._pruned_at:  # retention changes only when a version is published
+            return
+        self._pruned_at = latest
         live = {str(v) for v in self.engine.shadow.retained_versions()} | {"base", "local"}
         stale = {s for s in self._series if s[0] not in live}
         for version, reason in stale:
