@@ -34,7 +34,7 @@ DEADLINE_S = "deadline-s"
 LR = "lr"
 PROXIMAL_MU = "proximal-mu"
 
-TRAIN_KEYS = ("num-examples", "train-loss", "train-tokens", "train-steps", "deadline-hit", "seconds")
+TRAIN_KEYS = ("num-examples", "train-loss", "train-tokens", "train-steps", "deadline-hit", "seconds", "carried-tokens")
 EVAL_KEYS = ("num-examples", "eval-loss", "eval-accuracy", "adapter-version")
 UNKNOWN = -1.0
 
@@ -69,6 +69,7 @@ class LoadReport:
     goodput: float = 0.0             # requests/s that met every SLO
     adapter_version: int = -1        # the version the edge serves
     refused_version: int = -1        # the last global its canary gate refused to serve (-1: none)
+    carried_tokens: int = 0          # tokens trained since its last update, sent with its next one
 
     @staticmethod
     def key(field_name: str) -> str:
@@ -103,4 +104,4 @@ class LoadReport:
             train_examples=int(num("train-examples")), gain_per_ktok=gain if gain != UNKNOWN else None,
             train_tokens_per_s=num("train-tokens-per-s"), goodput=num("goodput"),
             adapter_version=int(num("adapter-version", UNKNOWN)),
-            refused_version=int(num("refused-version", UNKNOWN)))
+            refused_version=int(num("refused-version", UNKNOWN)), carried_tokens=int(num("carried-tokens")))

@@ -144,6 +144,9 @@ class TrainingConfig(Strict):
     finish_grace: float = Field(0.25, ge=0, le=1, description="a micro-batch in flight at the round's deadline "
                                 "may finish within this fraction of the deadline after it (no new one starts); "
                                 "0: cut it off and lose its work")
+    carry_between_rounds: bool = Field(True, description="after a round's update is sent, keep training in "
+                                       "idle time until the next round; that work is rebased onto the new "
+                                       "global and sent with the next update (edge_client/training/trainer.py)")
     eval_batch_size: int = Field(4, ge=1)
     max_eval_records: int | None = Field(64, ge=1, description="cap on holdout records per evaluation")
 

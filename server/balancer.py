@@ -11,15 +11,16 @@ co-execution is not work-conserving).
 
 For edge i the report gives: request rate λ_i, SLO attainment A_i (None: nothing completed yet),
 spare capacity s_i ∈ [0, 1] (fraction of time not serving), queue depth q_i, local training
-examples n_i, last quality gain per 1k training tokens g_i (None: unknown) and idle training
-throughput c_i (tokens/s). With target attainment A*, round deadline D, round token budget B,
+examples n_i, last quality gain per 1k training tokens g_i (None: unknown), idle training
+throughput c_i (tokens/s) and k_i, tokens it already trained since its last update (its carry
+between rounds, `training.carry_between_rounds`), which its next update sends. With target attainment A*, round deadline D, round token budget B,
 spare-use fraction u and minimum share m:
 
     eligible_i  =  n_i > 0  and  (A* unset  or  A_i is None  or  A_i ≥ A*)
 
-    cap_i       =  c_i · s_i · u · D / (1 + q_i)          tokens the edge can train in its spare
-                                                          time before the deadline; a waiting
-                                                          queue shrinks it
+    cap_i       =  k_i + c_i · s_i · u · D / (1 + q_i)    tokens the edge has carried plus what it
+                                                          can train in its spare time before the
+                                                          deadline; a waiting queue shrinks that
 
     ḡ           =  mean of the known g_j (eligible edges), or 1.0 if none is known
     ĝ_i         =  max(g_i if known else ḡ,  ε · ḡ⁺)       ḡ⁺ = mean of max(g_j, 0), or 1.0 if 0;
@@ -76,10 +77,10 @@ class Decision:
 
 
 def capacity(r: LoadReport, p: BalancerParams) -> float:
-    """cap_i = c_i · s_i · u · D / (1 + q_i): tokens trainable in spare time before the deadline."""
+    """cap_i = k_i + c_i · s_i · u · D / (1 + q_i): tokens carried plus trainable in spare time before the deadline."""
     spare = min(max(r.spare_capacity, 0.0), 1.0)
     tokens_in_spare_time = max(r.train_tokens_per_s, 0.0) * spare * p.spare_use * p.round_deadline_s
-    return tokens_in_spare_time / (1.0 + max(r.queue_depth, 0.0))
+    return max(r.carried_tokens, 0) + tokens_in_spare_time / (1.0 + max(r.queue_depth, 0.0))
 
 
 def gain_estimates(reports: list[LoadReport]) -> dict[str, float]:
@@ -160,6 +161,8 @@ def balance(reports: list[LoadReport], p: BalancerParams) -> list[Decision]:
         if x[name] >= caps[name] - 1e-9:
             why = (f"capacity-bound: spare {r.spare_capacity:.2f}, queue {r.queue_depth:g} "
                    f"→ cap {caps[name]:.0f} tokens")
+            if r.carried_tokens > 0:
+                why += f" ({r.carried_tokens} carried)"
         else:
             why = (f"share of budget: weight {weights[name]:.3g} (gain {gains[name]:.3g} × "
                    f"{r.train_examples} examples), cap {caps[name]:.0f}")

@@ -160,3 +160,16 @@ def test_fill_budget_hands_out_what_the_caps_leave_by_weight():
     assert "of the budget the caps left" in filled["busy"].reason
     tight = replace(P, fill_budget=True, round_token_budget=5000)  # B binds: nothing is left to hand out
     assert by_name(balance(reports, tight)) == by_name(balance(reports, replace(tight, fill_budget=False)))
+
+
+def test_tokens_carried_between_rounds_count_toward_an_edges_cap():
+    """A busy edge (no spare time now) that trained in idle time since its last update still takes
+    part: its next update sends that work, so the balancer must not sit it out."""
+    busy = LoadReport(name="busy", request_rate=1.0, slo_attainment=0.99, spare_capacity=0.0, queue_depth=0.0,
+                      running=1, train_examples=100, gain_per_ktok=1.0, train_tokens_per_s=100.0,
+                      carried_tokens=400)
+    assert capacity(busy, P) == 400
+    d = by_name(balance([busy, edge("idle")], P))
+    assert d["busy"].take_part and d["busy"].budget_tokens == 400 and "400 carried" in d["busy"].reason
+    without = by_name(balance([LoadReport(**{**busy.__dict__, "carried_tokens": 0}), edge("idle")], P))
+    assert not without["busy"].take_part

@@ -429,3 +429,61 @@ def test_a_micro_batch_in_flight_at_the_deadline_may_finish_within_the_grace():
     assert job.report.microbatches == 1
     assert job.past_deadline(10.5)  # at a boundary after the deadline: no new micro-batch starts
     assert not job.past_deadline(9.0)
+
+
+def _wait_for(cond, timeout: float = 120.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.05)
+
+
+def test_training_carries_on_between_rounds_and_the_next_round_rebases_it_onto_the_new_global():
+    """After a federated round's job the replica keeps training in idle time (up to that round's
+    budget); the next round's job starts from  global + (carried adapter - the update sent)  and
+    counts the carried micro-batches as its own."""
+    eng = tiny_engine()
+    try:
+        first = eng.train(TrainBudget(tokens=200), global_state=eng.initial_state, carry=True).result(timeout=120)
+        sent = first.adapter_state
+        assert first.tokens >= 200 and sent is not None
+        _wait_for(lambda: eng._carry is not None and eng._carry.future.done())  # at its cap: it waits
+        carried = eng.carried_tokens()
+        assert carried >= 200
+        trained = eng.trainer.adapter.state_dict_peft()
+        assert any(not torch.equal(trained[k], sent[k]) for k in sent)  # the carry changed the adapter
+        new_global = random_adapter_state(eng, seed=3, scale=0.1)
+        second = eng.train(TrainBudget(tokens=1), global_state=new_global, carry=True).result(timeout=60)
+        assert second.tokens == carried and second.extra["carried_tokens"] == carried
+        assert second.steps >= 1 and second.loss is not None
+        for k in sent:
+            torch.testing.assert_close(second.adapter_state[k], new_global[k] + (trained[k] - sent[k]))
+    finally:
+        eng.stop()
+
+
+def test_the_carry_yields_to_an_evaluation_and_resumes_after_it():
+    eng = tiny_engine()
+    try:
+        # a round cut by its deadline: the carry after it may train up to the round's (large) budget
+        eng.train(TrainBudget(tokens=100_000, deadline_s=1.0), global_state=eng.initial_state,
+                  carry=True).result(timeout=60)
+        _wait_for(lambda: eng.carried_tokens() > 0)
+        before = eng.carried_tokens()
+        ev = eng.evaluate().result(timeout=60)
+        assert ev.sequences > 0 and ev.loss > 0
+        assert not eng._carry.future.done()  # paused, not ended
+        _wait_for(lambda: eng.carried_tokens() > before)  # it went on after the evaluation
+    finally:
+        eng.stop()
+
+
+def test_without_carry_the_replica_stops_training_at_the_rounds_end():
+    eng = tiny_engine(training={"carry_between_rounds": False})
+    try:
+        eng.train(TrainBudget(tokens=100), global_state=eng.initial_state, carry=True).result(timeout=120)
+        tokens = eng.snapshot().window.totals["train_tokens"]
+        time.sleep(1.0)
+        assert eng.carried_tokens() == 0 and eng.snapshot().window.totals["train_tokens"] == tokens
+    finally:
+        eng.stop()

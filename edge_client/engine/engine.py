@@ -45,7 +45,7 @@ from collm.edge_client.training.data import EdgeData
 from collm.edge_client.training.evaluation import EvalJob
 from collm.edge_client.training.jobs import BackgroundJob, JobReport, TrainBudget
 from collm.edge_client.training.layerwise import ModelParts
-from collm.edge_client.training.trainer import LocalTrainer
+from collm.edge_client.training.trainer import LocalTrainer, TrainJob
 
 __all__ = ["AdmittedEvent", "Engine", "EngineError", "EngineFailed", "FinishEvent", "PromptTooLong", "QueueFull",
            "Request", "ShuttingDown", "TokenEvent", "plan_kv"]
@@ -109,7 +109,7 @@ class Engine:
         self._running: list[Request] = []
         self._jobs: deque[BackgroundJob] = deque()
         self._job: BackgroundJob | None = None
-        self._pass_s = 0.0  # compute seconds of the current job's micro-batch so far
+        self._carry: TrainJob | None = None  # training between rounds (`LocalTrainer.carry`), lowest priority
         self._ending_jobs = False  # set at shutdown: end background jobs at the next unit boundary
         self._accepting = True
         self._stop = False
@@ -166,12 +166,21 @@ class Engine:
             self._lock.notify()
 
     def train(self, budget: TrainBudget, global_state: dict | None = None, proximal_mu: float = 0.0,
-              lr: float | None = None, serve_local: bool = True) -> Future:
-        """Queue local training; the future resolves to a JobReport. `serve_local`: publish its steps as
-        `<name>:local` (every `adapters.local_every`)."""
+              lr: float | None = None, serve_local: bool = True, carry: bool = False) -> Future:
+        """Queue local training; the future resolves to a JobReport (its `adapter_state` is the update).
+        `serve_local`: publish its steps as `<name>:local` (every `adapters.local_every`). `carry` (a
+        federated round; with `training.carry_between_rounds`): keep training in idle time after it,
+        for the next round's job to absorb (see `training.trainer`)."""
         if self.trainer is None:
             raise EngineError("this engine has no training data")
-        return self._queue_job(self.trainer.job(budget, global_state, proximal_mu, lr, serve_local))
+        job = self.trainer.job(budget, global_state, proximal_mu, lr, serve_local)
+        job.carry_after = carry and self.cfg.training.carry_between_rounds
+        return self._queue_job(job)
+
+    def carried_tokens(self) -> int:
+        """Tokens trained since the last round's update that the next round's update will carry."""
+        c = self._carry
+        return c.report.tokens if c is not None else 0
 
     def evaluate(self, version: int | None = None, state: dict | None = None,
                  deadline_s: float | None = None) -> Future:
@@ -308,7 +317,11 @@ class Engine:
         self._fail_all("the edge stopped")
 
     def _has_job(self) -> bool:
-        return self._job is not None or bool(self._jobs)
+        return self._job is not None or bool(self._jobs) or self._carry_runnable()
+
+    def _carry_runnable(self) -> bool:
+        c = self._carry
+        return c is not None and not c.done() and not self._ending_jobs
 
     def _drop_cancelled(self) -> None:
         """Drop cancelled requests, and (engine.shed_late) waiting ones that can no longer start in time: the
@@ -439,6 +452,7 @@ class Engine:
             job.finish() if job.started_at is not None else job.fail(RuntimeError(reason))
         self._job = None
         self._jobs.clear()
+        self._carry = None
 
     # ================================================================= background work
     def _serving_load(self, now: float) -> ServingLoad:
@@ -456,10 +470,17 @@ class Engine:
         """Run the next unit of the current job if the rule admits it (the naive policy: a whole
         micro-batch). True if anything ran."""
         with self._lock:
+            if self._job is not None and self._job is self._carry and self._jobs:
+                self._job = None  # the carry yields to queued work; its micro-batch in flight waits, intact
             if self._job is None and self._jobs:
                 self._job = self._jobs.popleft()
+                if isinstance(self._job, TrainJob) and self._carry is not None:
+                    self._job.carried, self._carry = self._carry, None  # the round's job absorbs the carry
                 self._job.start()
-                self._pass_s = 0.0
+            elif self._job is None and self._carry_runnable():
+                self._job = self._carry
+                if self._job.started_at is None:
+                    self._job.start()
         job = self._job
         if job is None:
             return False
@@ -487,11 +508,11 @@ class Engine:
                 if verdict.reason == "busy-share":
                     self.policy.spent(dt)
                 job.report.compute_seconds += dt
-                self._pass_s += dt
+                job.pass_s += dt
                 if completed_tokens:  # a micro-batch completed: what a whole one costs, for the load report
                     (self.costs.train if job.kind == "train" else self.costs.eval).observe([completed_tokens],
-                                                                                         self._pass_s)
-                    self._pass_s = 0.0
+                                                                                         job.pass_s)
+                    job.pass_s = 0.0
                 if job.done():
                     self._end_job(job)
                     return True
@@ -506,5 +527,8 @@ class Engine:
     def _end_job(self, job: BackgroundJob, deadline_hit: bool = False) -> JobReport:
         self._job = None
         report = job.finish(deadline_hit)
-        log.info("%s job done: %s", job.kind, {k: v for k, v in report.as_dict().items() if k != "extra"})
+        carry = " (carry, until the next round)" if getattr(job, "is_carry", False) else ""
+        log.info("%s job done%s: %s", job.kind, carry, {k: v for k, v in report.as_dict().items() if k != "extra"})
+        if getattr(job, "carry_after", False) and not self._ending_jobs:
+            self._carry = self.trainer.carry(job)
         return report

@@ -79,7 +79,8 @@ class FederatedEdge:
             spare_capacity=w.spare_capacity, queue_depth=snap.waiting, running=snap.running,
             train_examples=snap.train_examples, gain_per_ktok=self.gain_per_ktok(),
             train_tokens_per_s=snap.idle_train_tokens_per_s, goodput=w.goodput,
-            adapter_version=snap.adapter_version, refused_version=max(self.refused, default=-1))
+            adapter_version=snap.adapter_version, refused_version=max(self.refused, default=-1),
+            carried_tokens=self.rt.engine.carried_tokens())
 
     def adopt_global(self, arrays: ArrayRecord, version: int) -> dict | None:
         """Serve the global adapter of round `version` unless this edge already serves it (or newer);
@@ -119,7 +120,7 @@ class FederatedEdge:
         # a global the canary refused is trained from (the federation's round) but not served, not even as :local
         report = eng.train(budget, global_state=state, proximal_mu=float(cfg.get(P.PROXIMAL_MU, 0.0)),
                            lr=float(cfg[P.LR]) if P.LR in cfg else None,
-                           serve_local=(rnd - 1) not in self.refused).result()
+                           serve_local=(rnd - 1) not in self.refused, carry=True).result()
         with self.lock:
             self.rounds_trained += 1
             self.last_round = rnd
@@ -135,8 +136,9 @@ class FederatedEdge:
             "train-steps": int(report.steps),
             "deadline-hit": int(report.deadline_hit),
             "seconds": float(report.seconds),
+            "carried-tokens": int(report.extra.get("carried_tokens", 0)),
         })
-        content = RecordDict({P.ARRAYS: to_arrays(eng.trainer.adapter.state_dict_peft()), P.METRICS: metrics,
+        content = RecordDict({P.ARRAYS: to_arrays(report.adapter_state), P.METRICS: metrics,
                               P.IDENTITY: self._identity()})
         return Message(content, reply_to=msg)
 

@@ -43,9 +43,10 @@ class JobReport:
     deferrals: int = 0  # times the engine held a unit back because serving needed the replica
     deadline_hit: bool = False
     extra: dict = field(default_factory=dict)
+    adapter_state: dict | None = field(default=None, repr=False)  # a train job's adapter at its end (the update)
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
+        return {k: v for k, v in self.__dict__.items() if k != "adapter_state"}
 
 
 class BackgroundJob:
@@ -59,6 +60,7 @@ class BackgroundJob:
         self.started_at: float | None = None
         self.deadline_s = deadline_s
         self.finish_grace = finish_grace  # fraction of the deadline a micro-batch in flight may run past it
+        self.pass_s = 0.0  # compute seconds of the micro-batch in flight so far (its cost, once complete)
 
     def start(self) -> None:
         self.started_at = time.perf_counter()

@@ -6,6 +6,18 @@ backward cut into layer units, exact gradients), its gradients are summed over
 `grad_accum_steps` micro-batches, divided by the answer tokens, clipped and applied by AdamW.
 FedProx adds `mu * (w - w_global)` to each gradient before the optimizer step. Warm-up times the
 same pass (`LocalTrainer.measure`), so there is no second copy of the step to drift apart.
+
+Carry between rounds (`training.carry_between_rounds`): a round's update is sent at its deadline,
+and the next round's global comes one evaluation and three message exchanges later (20-30 s on a
+serving replica, as long as the training window). So after a round's job the engine keeps
+training in idle time (`LocalTrainer.carry`), from the update just sent (`base`), up to the last
+round's token budget. The next round's job rebases that work onto the new global,
+
+    w  <-  w_global + (w_carry - base)
+
+keeps the optimizer state, and counts the carried micro-batches as its own: the work is sent in
+the next update, not thrown away. Its gradients were taken at the old weights, a staleness of
+one round (more if the edge sits rounds out), as in asynchronous federated training (FedBuff).
 """
 
 from __future__ import annotations
@@ -98,6 +110,16 @@ class LocalTrainer:
         job.serve_local = serve_local  # False: this job's steps are not served as `:local` (e.g. a refused global)
         return job
 
+    def carry(self, after: TrainJob) -> TrainJob:
+        """Training after `after` (a finished round job) until the next round's job absorbs it: from
+        the update `after` sent, up to `after`'s token budget, with no deadline (see the docstring)."""
+        cap = after.budget.tokens or self.cfg.default_round_tokens
+        job = TrainJob(self, TrainBudget(tokens=cap), None, after.mu, after.lr)
+        job.serve_local = after.serve_local
+        job.base = after.report.adapter_state
+        job.is_carry = True
+        return job
+
 
 class TrainJob(BackgroundJob):
     kind = "train"
@@ -117,20 +139,47 @@ class TrainJob(BackgroundJob):
         self._acc_seqs = 0
         self._acc_tokens = 0
         self._loss_sum = 0.0
+        self.is_carry = False
+        self.base: dict | None = None  # a carry job: the adapter it started from (the update sent)
+        self.carried: TrainJob | None = None  # set by the engine: the carry job this round's job absorbs
 
     def start(self) -> None:
         super().start()
         t = self.t
-        if self.global_state is not None:
+        if self.is_carry and t.cfg.reset_optimizer_each_round:
+            t.optimizer = t._new_optimizer()  # the carry is the next round's start
+        c = self.carried
+        if c is not None and c.report.microbatches > 0:
+            self._absorb_carry(c)
+        elif self.global_state is not None:
             t.adapter.load_peft(self.global_state)
             if t.cfg.reset_optimizer_each_round:
                 t.optimizer = t._new_optimizer()
         if self.lr is not None:
             for g in t.optimizer.param_groups:
                 g["lr"] = self.lr
-        if self.mu > 0:
+        if self.mu > 0 and self._anchor is None:
             self._anchor = [p.detach().clone() for p in t.adapter.parameters()]
         t.optimizer.zero_grad(set_to_none=True)
+
+    def _absorb_carry(self, c: TrainJob) -> None:
+        """Rebase the carry's work onto this round's global and count its micro-batches as this job's."""
+        t, r, cr = self.t, self.report, c.report
+        c.finish()  # its accumulated gradients take their step; a half-done micro-batch is dropped
+        if self.global_state is not None and c.base is not None:
+            now = t.adapter.state_dict_peft()
+            t.adapter.load_peft(self.global_state)
+            if self.mu > 0:  # FedProx pulls toward the global, not toward the rebased start
+                self._anchor = [p.detach().clone() for p in t.adapter.parameters()]
+            t.adapter.load_peft({k: self.global_state[k].to(v.device, v.dtype) + (v - c.base[k].to(v.device, v.dtype))
+                                 for k, v in now.items()})
+        for k in ("microbatches", "sequences", "tokens", "answer_tokens", "steps", "compute_seconds", "units",
+                  "deferrals"):
+            setattr(r, k, getattr(r, k) + getattr(cr, k))
+        r.first_loss, r.last_loss, r.loss = cr.first_loss, cr.last_loss, cr.loss
+        self._loss_sum = c._loss_sum
+        r.extra["carried_tokens"] = cr.tokens
+        r.extra["carried_seconds"] = round(cr.seconds, 3)
 
     def _current(self) -> LayerwisePass:
         if self._pass is None:
@@ -208,4 +257,5 @@ class TrainJob(BackgroundJob):
         if self._acc_seqs:  # use the gradients of the micro-batches that completed
             self._optimizer_step()
         self.report.extra["lr"] = self.t.optimizer.param_groups[0]["lr"]
+        self.report.adapter_state = self.t.adapter.state_dict_peft()  # taken on the engine thread: the update
         return super().finish(deadline_hit)
