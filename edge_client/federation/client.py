@@ -52,6 +52,7 @@ class FederatedEdge:
         self._eval_history: dict[int, float] = {}  # global version -> holdout loss on this edge
         self._tokens_by_round: dict[int, int] = {}
         self.refused: dict[int, str] = {}  # global version -> why the canary gate refused it
+        self._baseline: tuple[int, object] | None = None  # (version, Future) of `measure_baseline`
 
     # ------------------------------------------------------------------ handlers
     def client_app(self) -> ClientApp:
@@ -183,7 +184,9 @@ class FederatedEdge:
         info = shadow.info_of(serving)
         serving_loss = info.eval_loss if info else None
         if serving_loss is None:  # e.g. the initial adapter: measure it once, so the gate has a reference
-            serving_loss = _evaluated(eng.evaluate(version=serving).result(), self.rt.cfg.name).loss
+            pending = self._baseline
+            fut = pending[1] if pending and pending[0] == serving else eng.evaluate(version=serving)
+            serving_loss = _evaluated(fut.result(), self.rt.cfg.name).loss
             shadow.set_eval_loss(serving, serving_loss)
         report = _evaluated(eng.evaluate(state=state).result(), self.rt.cfg.name)
         verdict = canary_verdict(report.loss, serving_loss, margin)
@@ -195,6 +198,24 @@ class FederatedEdge:
         log.warning("edge %s: refused to serve global version %d, kept version %d: %s", self.rt.cfg.name,
                     version, serving, verdict.reason)
         return report, verdict.reason
+
+    def measure_baseline(self) -> None:
+        """Evaluate the serving version now, in idle time before the first round, so the first canary
+        gate evaluates only the new global: otherwise that round waits for two evaluations."""
+        eng = self.rt.engine
+        if self.rt.cfg.adapters.canary_margin is None or not eng.holdout:
+            return
+        version = eng.shadow.current_version
+        info = eng.shadow.info_of(version)
+        if info is None or info.eval_loss is not None:
+            return
+        fut = eng.evaluate(version=version)
+        self._baseline = (version, fut)
+
+        def done(f):
+            if f.exception() is None and f.result().loss is not None:
+                eng.shadow.set_eval_loss(version, f.result().loss)
+        fut.add_done_callback(done)
 
     def status(self) -> dict:
         with self.lock:
@@ -225,6 +246,7 @@ class EdgeFederation:
         f = cfg.federation
         if f.bootstrap_from:
             self.catch_up(f.bootstrap_from)
+        self.edge.measure_baseline()
         self.executor = SuperNodeExecutor(
             self.edge.client_app(), superlink=f.superlink, runtime_port=f.runtime_port,
             node_config={"name": cfg.name, **f.node_config}, insecure=f.insecure,
