@@ -186,7 +186,7 @@ class ModeRun:
         router_port = free_port()
         rcfg = {"api": {"host": "127.0.0.1", "port": router_port},
                 "edges": [{"name": e.name, "url": self.urls[e.name]} for e in serving],
-                "routing": {"policy": "slo" if self.mode == "collm" else "round_robin"}}
+                "routing": {"policy": self.cfg.collm_routing if self.mode == "collm" else "round_robin"}}
         (self.out / "router.yaml").write_text(yaml.safe_dump(rcfg))
         g.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(self.out / "router.yaml")])
         self.router = f"http://127.0.0.1:{router_port}"

@@ -70,6 +70,9 @@ class BenchConfig(Strict):
     ttft_ms: float = Field(1000.0, gt=0, allow_inf_nan=False)
     tpot_ms: float = Field(100.0, gt=0, allow_inf_nan=False)
     busy_share: float = Field(0.0, ge=0, le=1, description="collm edges' training.busy_share")
+    collm_routing: Literal["slo", "round_robin", "least_outstanding"] = Field(
+        "slo", description="collm's router policy (the other modes route round robin: one serving replica, or "
+                           "replicas that all look alike)")
     edge: dict = Field(default_factory=dict, description="merged into every edge's config (and the quality "
                        "judge's model), e.g. {model: {tiny: {hidden_size: 256}}} or {engine: {max_running: 8}}")
     trace: TraceConfig = TraceConfig()
