@@ -3,7 +3,7 @@
 Three edges on the bundled SmolLM2-135M-Instruct, each with its own Dolly categories (the split of
 `configs/lab/edge*.yaml`), in one process: each round every edge trains `--tokens` tokens from the
 global adapter on its engine (the same `Engine.train` a federated round runs), the server's FedAvg
-(weighted by sequences, as flwr's FedAvg weights by num-examples) makes the next global, and every
+(flwr's aggregation, weighted by num-examples: the sequences each edge trained) makes the next global, and every
 edge evaluates on its own holdout split
 
 * the base (`smollm2-135m-instruct`: no LoRA),
@@ -32,19 +32,27 @@ ROOT = Path(__file__).resolve().parents[1]
 def edge_cfg(i: int, eval_records: int):
     import yaml
 
-    from collm.common.config import deep_merge, load_config
+    from collm.common.config import load_config
     from collm.edge_client.config import EdgeConfig
 
     lab = yaml.safe_load((ROOT / "configs" / "lab" / f"edge{i}.yaml").read_text())
     over = {"name": lab["name"], "data": {"categories": lab["data"]["categories"]},
             "engine": {"warmup": False}, "training": {"max_eval_records": eval_records},
             "model": {"threads": 1}}
-    return load_config(EdgeConfig, ROOT / "configs" / "edge-smollm2.yaml", deep_merge({}, over))
+    return load_config(EdgeConfig, ROOT / "configs" / "edge-smollm2.yaml", over)
 
 
-def fedavg(states: list[dict], weights: list[float]) -> dict:
-    total = sum(weights)
-    return {k: sum(s[k] * (w / total) for s, w in zip(states, weights)) for k in states[0]}
+def fedavg(states: list[dict], examples: list[int]) -> dict:
+    """The server's FedAvg: flwr's own aggregation, weighted by num-examples, over keyed records."""
+    from flwr.app import MetricRecord, RecordDict
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    from collm.common import wire
+    from collm.edge_client.federation.records import to_state
+
+    records = [RecordDict({"arrays": wire.keyed({k: v.numpy() for k, v in s.items()}),
+                           "metrics": MetricRecord({"num-examples": n})}) for s, n in zip(states, examples)]
+    return to_state(aggregate_arrayrecords(records, "num-examples"))
 
 
 def main() -> None:

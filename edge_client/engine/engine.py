@@ -173,9 +173,8 @@ class Engine:
         for the next round's job to absorb (see `training.trainer`)."""
         if self.trainer is None:
             raise EngineError("this engine has no training data")
-        job = self.trainer.job(budget, global_state, proximal_mu, lr, serve_local)
-        job.carry_after = carry and self.cfg.training.carry_between_rounds
-        return self._queue_job(job)
+        return self._queue_job(self.trainer.job(budget, global_state, proximal_mu, lr, serve_local,
+                                                carry_after=carry and self.cfg.training.carry_between_rounds))
 
     def carried_tokens(self) -> int:
         """Tokens trained since the last round's update that the next round's update will carry."""
@@ -527,8 +526,9 @@ class Engine:
     def _end_job(self, job: BackgroundJob, deadline_hit: bool = False) -> JobReport:
         self._job = None
         report = job.finish(deadline_hit)
-        carry = " (carry, until the next round)" if getattr(job, "is_carry", False) else ""
+        train = job if isinstance(job, TrainJob) else None
+        carry = " (carry, until the next round)" if train and train.is_carry else ""
         log.info("%s job done%s: %s", job.kind, carry, {k: v for k, v in report.as_dict().items() if k != "extra"})
-        if getattr(job, "carry_after", False) and not self._ending_jobs:
-            self._carry = self.trainer.carry(job)
+        if train and train.carry_after and not self._ending_jobs:
+            self._carry = self.trainer.carry(train)
         return report

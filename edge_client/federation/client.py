@@ -162,8 +162,7 @@ class FederatedEdge:
         if margin is None or state is None or rnd <= eng.shadow.latest_version:
             if state is not None and rnd > 0 and rnd not in self.refused:
                 self.rt.publish(state, rnd, round=rnd)  # no gate: swap first, then evaluate what is served
-            report = _evaluated(eng.evaluate(version=eng.shadow.current_version).result(), self.rt.cfg.name)
-            eng.shadow.set_eval_loss(eng.shadow.current_version, report.loss)
+            report = self._evaluate_serving(eng.shadow.current_version)
         else:
             report, refused = self._canary(state, rnd, margin)
         with self.lock:
@@ -184,10 +183,7 @@ class FederatedEdge:
         info = shadow.info_of(serving)
         serving_loss = info.eval_loss if info else None
         if serving_loss is None:  # e.g. the initial adapter: measure it once, so the gate has a reference
-            pending = self._baseline
-            fut = pending[1] if pending and pending[0] == serving else eng.evaluate(version=serving)
-            serving_loss = _evaluated(fut.result(), self.rt.cfg.name).loss
-            shadow.set_eval_loss(serving, serving_loss)
+            serving_loss = self._evaluate_serving(serving).loss
         report = _evaluated(eng.evaluate(state=state).result(), self.rt.cfg.name)
         verdict = canary_verdict(report.loss, serving_loss, margin)
         if verdict.accept:
@@ -203,19 +199,25 @@ class FederatedEdge:
         """Evaluate the serving version now, in idle time before the first round, so the first canary
         gate evaluates only the new global: otherwise that round waits for two evaluations."""
         eng = self.rt.engine
-        if self.rt.cfg.adapters.canary_margin is None or not eng.holdout:
+        info = eng.shadow.info_of(eng.shadow.current_version)
+        if self.rt.cfg.adapters.canary_margin is None or not eng.holdout or info is None or info.eval_loss is not None:
             return
-        version = eng.shadow.current_version
-        info = eng.shadow.info_of(version)
-        if info is None or info.eval_loss is not None:
-            return
-        fut = eng.evaluate(version=version)
-        self._baseline = (version, fut)
+        fut = eng.evaluate(version=info.version)
 
-        def done(f):
+        def record(f):  # shown in /v1/models as soon as it is known, before any round
             if f.exception() is None and f.result().loss is not None:
-                eng.shadow.set_eval_loss(version, f.result().loss)
-        fut.add_done_callback(done)
+                eng.shadow.set_eval_loss(info.version, f.result().loss)
+        fut.add_done_callback(record)
+        self._baseline = (info.version, fut)
+
+    def _evaluate_serving(self, version: int):
+        """Evaluate the served `version` (reusing `measure_baseline`'s job for it) and record its loss
+        on the version: the canary's reference and /v1/models' eval_loss."""
+        pending = self._baseline
+        fut = pending[1] if pending and pending[0] == version else self.rt.engine.evaluate(version=version)
+        report = _evaluated(fut.result(), self.rt.cfg.name)
+        self.rt.engine.shadow.set_eval_loss(version, report.loss)
+        return report
 
     def status(self) -> dict:
         with self.lock:

@@ -105,9 +105,10 @@ class LocalTrainer:
         return timed_units(self.new_pass(self.stream.peek(self.cfg.micro_batch_size)))
 
     def job(self, budget: TrainBudget, global_state: dict | None = None, proximal_mu: float = 0.0,
-            lr: float | None = None, serve_local: bool = True) -> TrainJob:
+            lr: float | None = None, serve_local: bool = True, carry_after: bool = False) -> TrainJob:
         job = TrainJob(self, budget, global_state, proximal_mu, lr)
         job.serve_local = serve_local  # False: this job's steps are not served as `:local` (e.g. a refused global)
+        job.carry_after = carry_after  # True: the engine starts `carry(job)` when it ends
         return job
 
     def carry(self, after: TrainJob) -> TrainJob:
@@ -140,6 +141,7 @@ class TrainJob(BackgroundJob):
         self._acc_tokens = 0
         self._loss_sum = 0.0
         self.is_carry = False
+        self.carry_after = False
         self.base: dict | None = None  # a carry job: the adapter it started from (the update sent)
         self.carried: TrainJob | None = None  # set by the engine: the carry job this round's job absorbs
 
