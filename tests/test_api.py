@@ -431,20 +431,3 @@ def test_a_restarted_edge_catches_up_to_the_checkpointed_global_before_it_serves
     finally:
         again.close()
 
-
-def test_the_serving_versions_holdout_loss_is_measured_before_the_first_round(edge):
-    """The first canary gate needs a reference loss; measured at start (idle time), so round 1's
-    evaluation is one job, not two on the round's critical path."""
-    from collm.edge_client.federation.client import FederatedEdge
-
-    fed = FederatedEdge(edge.runtime)
-    shadow = edge.engine.shadow
-    version = shadow.current_version
-    shadow.set_eval_loss(version, None)  # as at a fresh start (this fixture's edge is shared)
-    fed.measure_baseline()
-    fed._baseline[1].result(timeout=120)
-    reference = shadow.info_of(version).eval_loss
-    assert reference is not None and reference > 0
-    candidate = edge.engine.trainer.adapter.state_dict_peft()
-    report, _ = fed.evaluate_global(candidate, version + 1)
-    assert report.loss > 0 and shadow.info_of(version).eval_loss == reference

@@ -52,7 +52,6 @@ class FederatedEdge:
         self._eval_history: dict[int, float] = {}  # global version -> holdout loss on this edge
         self._tokens_by_round: dict[int, int] = {}
         self.refused: dict[int, str] = {}  # global version -> why the canary gate refused it
-        self._baseline: tuple[int, object] | None = None  # (version, Future) of `measure_baseline`
 
     # ------------------------------------------------------------------ handlers
     def client_app(self) -> ClientApp:
@@ -195,27 +194,10 @@ class FederatedEdge:
                     version, serving, verdict.reason)
         return report, verdict.reason
 
-    def measure_baseline(self) -> None:
-        """Evaluate the serving version now, in idle time before the first round, so the first canary
-        gate evaluates only the new global: otherwise that round waits for two evaluations."""
-        eng = self.rt.engine
-        info = eng.shadow.info_of(eng.shadow.current_version)
-        if self.rt.cfg.adapters.canary_margin is None or not eng.holdout or info is None or info.eval_loss is not None:
-            return
-        fut = eng.evaluate(version=info.version)
-
-        def record(f):  # shown in /v1/models as soon as it is known, before any round
-            if f.exception() is None and f.result().loss is not None:
-                eng.shadow.set_eval_loss(info.version, f.result().loss)
-        fut.add_done_callback(record)
-        self._baseline = (info.version, fut)
-
     def _evaluate_serving(self, version: int):
-        """Evaluate the served `version` (reusing `measure_baseline`'s job for it) and record its loss
-        on the version: the canary's reference and /v1/models' eval_loss."""
-        pending = self._baseline
-        fut = pending[1] if pending and pending[0] == version else self.rt.engine.evaluate(version=version)
-        report = _evaluated(fut.result(), self.rt.cfg.name)
+        """Evaluate the served `version` and record its loss on it: the canary's reference and
+        /v1/models' eval_loss."""
+        report = _evaluated(self.rt.engine.evaluate(version=version).result(), self.rt.cfg.name)
         self.rt.engine.shadow.set_eval_loss(version, report.loss)
         return report
 
@@ -248,7 +230,6 @@ class EdgeFederation:
         f = cfg.federation
         if f.bootstrap_from:
             self.catch_up(f.bootstrap_from)
-        self.edge.measure_baseline()
         self.executor = SuperNodeExecutor(
             self.edge.client_app(), superlink=f.superlink, runtime_port=f.runtime_port,
             node_config={"name": cfg.name, **f.node_config}, insecure=f.insecure,
