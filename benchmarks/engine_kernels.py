@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import random
 import time
 
 import torch
@@ -111,20 +112,28 @@ def bench_kernels(which: str, args, dev: torch.device) -> dict:
         raise RuntimeError(f"PEFT adapter load missed {len(missing)} LoRA keys, e.g. {missing[0]}")
     peft_m.eval()
     merged = copy.deepcopy(peft_m).merge_and_unload().eval()  # its own weights: merging writes them
-    pool = ModelRunner(base).new_pool(8, P + K + 8)
+    # the same LoRA-wrapped modules served one call per projection (engine.fuse_projections: false,
+    # the path before the fused one); built first, so it sees the original weight tensors
+    unfused = ModelRunner(ours_model, fuse=False)
+    # our runners fuse q|k|v and gate|up into new tensors: over copies of the module objects, so
+    # hf-base keeps the weight tensors it was loaded with
+    def pool():  # each variant its own KV pool: the timed steps of all variants are interleaved
+        return unfused.new_pool(8, P + K + 8)
+
     variants = [
         _HFVariant("hf-base", base, dev),
         _HFVariant("peft-unmerged", peft_m, dev),
         _HFVariant("peft-merged", merged, dev),
-        _OursVariant("ours-base", ModelRunner(base), pool, None),  # runner over the plain HF modules
-        _OursVariant("ours-lora", ModelRunner(ours_model), pool, weights),
+        _OursVariant("ours-base", ModelRunner(shared_copy(base)), pool(), None),  # runner over the plain HF modules
+        _OursVariant("ours-lora", ModelRunner(ours_model), pool(), weights),
+        _OursVariant("ours-lora-unfused", unfused, pool(), weights),
     ]
     # the same runner with 2 and 4 distinct versions in the batch (at batch 1: one version)
     others = [layers.serving_weights(random_adapter_state(layers, seed=2 + k, b_scale=b_scale), 2 + k, dev, lm.dtype)
               for k in range(3)]
-    runner_lora = variants[-1].runner
-    variants += [_OursVariant("ours-lora-2v", runner_lora, pool, [weights, others[0]]),
-                 _OursVariant("ours-lora-4v", runner_lora, pool, [weights, *others])]
+    runner_lora = variants[-2].runner
+    variants += [_OursVariant("ours-lora-2v", runner_lora, pool(), [weights, others[0]]),
+                 _OursVariant("ours-lora-4v", runner_lora, pool(), [weights, *others])]
     g = torch.Generator().manual_seed(0)
     prompts8 = [torch.randint(3, vocab, (P,), generator=g).tolist() for _ in range(8)]
 
@@ -134,6 +143,7 @@ def bench_kernels(which: str, args, dev: torch.device) -> dict:
         v.reset()
     checks = {
         "ours-lora vs peft-unmerged": (lg["ours-lora"] - lg["peft-unmerged"]).abs().max().item(),
+        "ours-lora-unfused vs peft-unmerged": (lg["ours-lora-unfused"] - lg["peft-unmerged"]).abs().max().item(),
         "ours-lora-2v row 0 vs ours-lora row 0": (lg["ours-lora-2v"][0] - lg["ours-lora"][0]).abs().max().item(),
         "peft-merged vs peft-unmerged": (lg["peft-merged"] - lg["peft-unmerged"]).abs().max().item(),
         "ours-base vs hf-base": (lg["ours-base"] - lg["hf-base"]).abs().max().item(),
@@ -149,24 +159,30 @@ def bench_kernels(which: str, args, dev: torch.device) -> dict:
             v.reset()
     times: dict[tuple[str, int, str], list[tuple[int, float]]] = {}  # -> [(round, seconds)]
     round_noise: dict[tuple[int, int], float] = {}
+    rng = random.Random(0)
     for B in args.batches:
         for rnd in range(rounds):
-            order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]  # rotate the order
+            order = variants
             label = f"kernels/{which} batch {B} round {rnd + 1}/{rounds}"
             wait_quiet(label, args.wait_quiet)
             say(f"[{label}]: prefill {P} tok + {K} decode steps x {len(variants)} variants")
             meter = CpuMeter().start()
-            for v in order:
+            # interleaved step by step, in a new random order each time: a variant's time does not
+            # depend on which one ran before it (a fixed rotation kept the same neighbours and
+            # showed identical code paths 15% apart)
+            for v in rng.sample(order, len(order)):
                 sync(dev)
                 t = time.perf_counter()
                 v.prefill(prompts8[:B])
                 sync(dev)
                 times.setdefault((v.name, B, "prefill"), []).append((rnd, time.perf_counter() - t))
-                for _ in range(K):
+            for _ in range(K):
+                for v in rng.sample(order, len(order)):
                     t = time.perf_counter()
                     v.decode()
                     sync(dev)
                     times.setdefault((v.name, B, "decode"), []).append((rnd, time.perf_counter() - t))
+            for v in order:
                 v.reset()
             round_noise[(B, rnd)] = meter.stop()
             note_during(label, round_noise[(B, rnd)])
@@ -197,6 +213,7 @@ def bench_kernels(which: str, args, dev: torch.device) -> dict:
                 "peft-unmerged / hf-base": ratio(m["peft-unmerged"], m["hf-base"]),
                 "ours-lora / peft-unmerged": ratio(m["ours-lora"], m["peft-unmerged"]),
                 "ours-lora-4v / ours-lora": ratio(m["ours-lora-4v"], m["ours-lora"]),
+                "ours-lora / ours-lora-unfused": ratio(m["ours-lora"], m["ours-lora-unfused"]),
             }
     out["ratios"] = rat
     del variants, peft_m, merged, ours_model, base, lm, runner_lora, others
@@ -205,7 +222,8 @@ def bench_kernels(which: str, args, dev: torch.device) -> dict:
 
 
 def print_kernels(res: dict, batches) -> None:
-    names = ["hf-base", "peft-unmerged", "peft-merged", "ours-base", "ours-lora", "ours-lora-2v", "ours-lora-4v"]
+    names = ["hf-base", "peft-unmerged", "peft-merged", "ours-base", "ours-lora", "ours-lora-unfused",
+             "ours-lora-2v", "ours-lora-4v"]
     rows = []
     for phase in ("decode", "prefill"):
         for B in batches:
@@ -227,15 +245,14 @@ def print_kernels(res: dict, batches) -> None:
     for k, v in res["ratios"].items():
         rrows.append([k] + [fmt(v[c], "x") for c in keys])
     print(table(["ratio"] + keys, rrows))
-    for B in batches:
-        if B == 8:
-            r = res["ratios"]["decode_b8"]
-            for base in ("hf-base", "ours-base"):
-                x = r[f"ours-lora / {base}"]
-                verdict = "MET" if x is not None and x <= 1.10 else "NOT MET"
-                noisy = all(n_ >= 0.15 for n_ in res["round_noise"]["b8"])
-                print(f"target: batch-8 decode, ours-lora <= 1.10x {base}: {x:.3f}x -> {verdict}"
-                      + (" [NOISY: no quiet round]" if noisy else ""))
-            x = r["ours-lora-4v / ours-lora"]
-            print(f"target: batch-8 decode, 4 versions <= 1.10x one version: {x:.3f}x -> "
-                  + ("MET" if x is not None and x <= 1.10 else "NOT MET"))
+    # the serving hot path's targets (issue: unmerged LoRA within 10% of the base)
+    for key, r in res["ratios"].items():
+        noisy = all(n_ >= 0.15 for n_ in res["round_noise"][key.split("_")[1]])
+        checks = [("ours-lora / hf-base", 1.10), ("ours-lora / ours-base", 1.10), ("ours-base / hf-base", 1.00)]
+        if key == "decode_b8":
+            checks.append(("ours-lora-4v / ours-lora", 1.10))
+        for name, limit in checks:
+            x = r[name]
+            verdict = "MET" if x is not None and x <= limit else "NOT MET"
+            print(f"target: {key}, {name} <= {limit:.2f}x: {fmt(x, 'x', 3)} -> {verdict}"
+                  + (" [NOISY: no quiet round]" if noisy else ""))

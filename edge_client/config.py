@@ -88,6 +88,10 @@ class EngineConfig(Strict):
     max_context: int | None = Field(None, ge=16, description="prompt + output limit; default: model's")
     default_max_tokens: int = Field(128, ge=1)
     warmup: bool = Field(True, description="measure step costs at start before serving")
+    fuse_projections: bool = Field(True, description="serve q|k|v and gate|up as one matmul each (the base "
+                                   "weights become views of one tensor per group, still one copy; a base "
+                                   "memory-mapped from safetensors is then partly owned memory instead of "
+                                   "page cache); false: one call per projection, as HF does")
 
 
 class SLOConfig(Strict):

@@ -73,7 +73,7 @@ class Engine:
         self.tokenizer = lm.tokenizer
         self.device = lm.device
         self.layers = inject_lora(lm.model, cfg.lora.target_modules, cfg.lora.r, cfg.lora.alpha)
-        self.runner = ModelRunner(lm.model)
+        self.runner = ModelRunner(lm.model, fuse=cfg.engine.fuse_projections)
         self.parts = ModelParts(lm.model)
         slots, slot_len = plan_kv(cfg, self.runner, lm.max_context)
         self.pool = self.runner.new_pool(slots, slot_len)

@@ -53,6 +53,29 @@ class AdapterWeights:
     a_t: tuple[torch.Tensor, ...]
     b_t: tuple[torch.Tensor, ...]
     meta: dict = field(default_factory=dict, compare=False)
+    _fused: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def fused(self, f) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This version's LoRA for a fused projection group `f` (`collm.edge_client.model.fused`):
+        the members' A^T side by side [in, sum r] and their B^T block-diagonal [sum r, sum out];
+        None if no member is a LoRA target. Built on first use, then kept with the version."""
+        hit = self._fused.get(f.key, False)
+        if hit is not False:
+            return hit
+        lora = [m for m in f.members if m.lora is not None]
+        value = None
+        if lora and self.a_t:
+            with torch.no_grad():
+                a = torch.cat([self.a_t[m.lora] for m in lora], dim=1)
+                b = self.b_t[lora[0].lora].new_zeros(a.shape[1], f.out_features)
+                r0 = 0
+                for m in lora:
+                    r = self.a_t[m.lora].shape[1]
+                    b[r0:r0 + r, m.start:m.end] = self.b_t[m.lora]
+                    r0 += r
+            value = (a, b)
+        self._fused[f.key] = value
+        return value
 
 
 # Rows bound to BASE get no LoRA delta: the frozen base. Its version, -2, is no real version and
@@ -66,23 +89,97 @@ class ServingBinding:
     """Row ranges [start, end) of the flattened batch and the adapter version each range uses."""
 
     groups: list[tuple[int, int, AdapterWeights]]
+    _masks: dict = field(default_factory=dict, repr=False)  # fused path: per block width, this step's row mask
+
+    def __post_init__(self):
+        seen: dict[int, AdapterWeights] = {}
+        for _, _, w in self.groups:
+            if w is not None and w is not BASE:  # None: a runner over the plain base
+                seen.setdefault(id(w), w)
+        self.versions = tuple(seen.values())  # distinct LoRA versions in the batch, in first-row order
+        g = self.groups
+        self.single = (self.versions[0] if len(self.versions) == 1 and len(g) == 1 and g[0][0] == 0
+                       else None)  # one version on every row (the usual step)
 
     def apply(self, i: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One LoRALinear's delta (HF's own forward: evaluation, the quantized fallback)."""
         shape = y.shape
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.reshape(-1, shape[-1])
         if len(self.groups) == 1 and self.groups[0][0] == 0 and self.groups[0][1] >= x2.shape[0]:
             w = self.groups[0][2]
-            if w is BASE:
+            if w is BASE or w is None:
                 return y
             return torch.addmm(y2, x2.to(w.a_t[i].dtype) @ w.a_t[i], w.b_t[i]).to(y.dtype).view(shape)
         out = y2.clone()
         for start, end, w in self.groups:
-            if w is BASE:
+            if w is BASE or w is None:
                 continue
             xs = x2[start:end].to(w.a_t[i].dtype)
             out[start:end] += (xs @ w.a_t[i] @ w.b_t[i]).to(y.dtype)
         return out.view(shape)
+
+    LOOP_ROWS = 64  # mixed versions with more rows than this (prefill chunks): one pass per version
+
+    def apply_fused(self, f, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the fused base output of group f, updated in place) plus each row's own version's delta.
+
+        One version on every row: y += (x @ A) @ B with the version's fused A and block-diagonal B
+        (two calls). Several versions (or base rows among them) in a decode-sized batch: the
+        versions' A side by side, one matmul, masked so each row keeps only its own version's
+        columns (the other columns multiply by exact zeros), then one matmul per member with its
+        versions' B stacked: the number of calls does not grow with the number of versions.
+        Several versions over many rows (prefill): each version on its own rows, so no row pays
+        for the others' adapters."""
+        if not self.versions:
+            return y
+        shape = y.shape
+        x2 = x.reshape(-1, x.shape[-1])
+        y2 = y.reshape(-1, shape[-1])
+        rows = x2.shape[0]
+        if self.single is not None and self.groups[0][1] >= rows:
+            ab = self.single.fused(f)
+            if ab is not None:
+                a, b = ab
+                y2.addmm_(x2.to(a.dtype) @ a, b.to(y2.dtype))
+            return y
+        if rows > self.LOOP_ROWS:
+            for start, end, w in self.groups:
+                if w is None or w is BASE:
+                    continue
+                ab = w.fused(f)
+                if ab is not None:
+                    a, b = ab
+                    y2[start:end].addmm_(x2[start:end].to(a.dtype) @ a, b.to(y2.dtype))
+            return y
+        st = f.stacked(self.versions)
+        if st is None:
+            return y
+        a, bs, r = st
+        V = len(self.versions)
+        xa = (x2.to(a.dtype) @ a).mul_(self._mask(rows, len(bs), r, a.dtype))
+        w_ = V * r
+        for k, (mb, b) in enumerate(bs):
+            y2[:, mb.start:mb.end].addmm_(xa[:, k * w_:(k + 1) * w_], b.to(y2.dtype))
+        return y
+
+    def _mask(self, rows: int, members: int, r: int, dtype) -> torch.Tensor:
+        """[rows, members * V * r] for member-major stacked columns: 1 where the column's version is
+        the row's, else 0 (base rows: all 0)."""
+        key = (rows, members, r, dtype)
+        m = self._masks.get(key)
+        if m is None:
+            V = len(self.versions)
+            dev = self.versions[0].a_t[0].device
+            row_block = torch.full((rows,), -1, dtype=torch.long)
+            index = {id(w): i for i, w in enumerate(self.versions)}
+            for start, end, w in self.groups:
+                if id(w) in index:
+                    row_block[start:end] = index[id(w)]
+            cols = (torch.arange(members * V * r) // r) % V
+            m = (cols[None, :] == row_block[:, None]).to(device=dev, dtype=dtype)
+            self._masks[key] = m
+        return m
 
 
 @dataclass
@@ -98,6 +195,11 @@ class TrainingBinding:
         if self.dropout and torch.is_grad_enabled():
             xs = nn.functional.dropout(xs, self.dropout, training=True)
         return y + ((xs @ a.t()) @ b.t() * self.adapter.scaling).to(y.dtype)
+
+
+def current_binding():
+    """The binding of the enclosing `bind` (None: the plain base)."""
+    return _BINDING.get()
 
 
 @contextlib.contextmanager

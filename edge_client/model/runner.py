@@ -6,8 +6,11 @@ version applied to its rows. Attention reads each request's slot of a preallocat
 decodes in one masked batched call, prefill chunks one by one (causal within the chunk).
 
 Works for Llama-family decoders from transformers (Llama, Mistral, Qwen2/3, SmolLM): RMSNorm,
-rotary embeddings, grouped-query attention, gated MLP. The HF modules themselves are called, so
-a bitsandbytes-quantized base works unchanged.
+rotary embeddings, grouped-query attention, gated MLP. The projections that read the same input
+(q|k|v, gate|up) run as one matmul each, with their LoRA deltas in two more
+(`collm.edge_client.model.fused`); the HF modules' weights become views of the fused tensors, so
+the base is still held once. A bitsandbytes-quantized base cannot be concatenated: its modules
+are called one by one, as HF does.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from collm.edge_client.model.fused import FusedLinear
 from collm.edge_client.model.lora import AdapterWeights, ServingBinding, bind
 
 
@@ -77,7 +81,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     """Runs segments through the frozen base model (with LoRA layers injected) and a KV pool."""
 
-    def __init__(self, hf_model: torch.nn.Module):
+    def __init__(self, hf_model: torch.nn.Module, fuse: bool = True):
         self.hf = hf_model
         inner = hf_model.model
         cfg = hf_model.config
@@ -96,6 +100,18 @@ class ModelRunner:
         self.scaling = float(getattr(attn0, "scaling", self.head_dim ** -0.5))
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
+        # per layer: q|k|v and gate|up as one projection each (`collm.edge_client.model.fused`)
+        self.qkv, self.o, self.gate_up, self.down, self.act = [], [], [], [], []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.qkv.append(FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], fuse))
+            self.o.append(FusedLinear([attn.o_proj]))
+            self.gate_up.append(FusedLinear([mlp.gate_proj, mlp.up_proj], fuse))
+            self.down.append(FusedLinear([mlp.down_proj]))
+            self.act.append(mlp.act_fn)
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        self.inter = self.gate_up[0].out_features // 2
 
     def new_pool(self, slots: int, slot_len: int) -> KVPool:
         return KVPool(self.n_layers, self.n_kv, self.head_dim, slots, slot_len, self.dtype, self.device)
@@ -145,9 +161,10 @@ class ModelRunner:
             for li, layer in enumerate(self.layers):
                 attn = layer.self_attn
                 x = layer.input_layernorm(h)
-                q = attn.q_proj(x).view(T, self.n_heads, self.head_dim)
-                k = attn.k_proj(x).view(T, self.n_kv, self.head_dim)
-                v = attn.v_proj(x).view(T, self.n_kv, self.head_dim)
+                q, k, v = self.qkv[li](x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+                q = q.view(T, self.n_heads, self.head_dim)
+                k = k.view(T, self.n_kv, self.head_dim)
+                v = v.view(T, self.n_kv, self.head_dim)
                 if hasattr(attn, "q_norm"):
                     q, k = attn.q_norm(q), attn.k_norm(k)
                 q = q * cos + _rotate_half(q) * sin
@@ -177,8 +194,9 @@ class ModelRunner:
                         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scaling,
                                                            enable_gqa=True)
                     out[a:b] = o[0].transpose(0, 1)
-                h = h + attn.o_proj(out.view(T, self.n_heads * self.head_dim))
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = h + self.o[li](out.view(T, self.n_heads * self.head_dim))
+                gate, up = self.gate_up[li](layer.post_attention_layernorm(h)).split((self.inter, self.inter), dim=-1)
+                h = h + self.down[li](self.act[li](gate) * up)
             want = [offsets[i + 1] - 1 for i, s in enumerate(segments) if s.want_logits]
             if not want:
                 return h.new_empty(0, self.vocab_size)
