@@ -15,8 +15,14 @@ targets (`collm_slo_ttft_seconds`, `collm_slo_tpot_seconds`) -- estimate on ever
     t_pf = c0 + c1*k + c2*f + c3*(k*ctx + f)/1000       one step that prefills a chunk of x
     g   = 1 + b / max(1 - sigma, 0.05)  if training is active, else 1
                                              stretch of serving by co-scheduled training: wall seconds
-                                             per serving second (b: training busy fraction,
-                                             sigma: spare capacity, both over the edge's window)
+                                             per serving second (b: fraction of the edge's window
+                                             spent training while requests were running or waiting,
+                                             collm_training_beside_serving_fraction; sigma: spare
+                                             capacity). Training in idle time (all of it under the
+                                             edge's default rule) stretches nothing: counting it made
+                                             a lightly loaded edge that trains in its idle time look
+                                             1/rho times slower, and the router piled requests onto
+                                             whichever edge was not training at the moment
     wait = (w + 1) * max(L * t_dec(M) * g / M, 1 / lam)   if n >= M, else 0
                                              x waits for w + 1 departures; by the cost model one comes
                                              every L*t_dec(M)*g/M seconds (L: typical output length of

@@ -75,7 +75,11 @@ def scrape_from_metrics(text: str, at: float, outstanding_at: int) -> Scrape:
         at=at, outstanding_at=outstanding_at, queue_depth=num(M.QUEUE_DEPTH), running=num(M.RUNNING),
         max_running=num(M.MAX_RUNNING), step_coef=coef,  # type: ignore[arg-type]
         ttft_target_s=num(M.SLO_TTFT), tpot_target_s=num(M.SLO_TPOT),
-        training_active=num(M.TRAINING_ACTIVE, 0.0) > 0, training_busy=num(M.TRAINING_BUSY, 0.0),
+        training_active=num(M.TRAINING_ACTIVE, 0.0) > 0,
+        # b of the stretch g: training that shares time with serving. Idle-time training (all of it
+        # under the default rule) does not slow the requests; older edges export only the total.
+        training_busy=num(M.TRAINING_BESIDE_SERVING, 0.0) if M.TRAINING_BESIDE_SERVING in s
+        else num(M.TRAINING_BUSY, 0.0),
         spare_capacity=num(M.SPARE_CAPACITY, 1.0), finish_rate=num(M.REQUEST_RATE, 0.0),
         step_token_budget=s.get(M.STEP_TOKEN_BUDGET), slo_safety=s.get(M.SLO_SAFETY))
 

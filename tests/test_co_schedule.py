@@ -200,6 +200,7 @@ def test_naive_mode_trains_whole_micro_batches_during_serving():
         before = eng.telemetry.totals["train_microbatches"]
         eng.generate(prompt(eng, "hi"), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
         assert eng.telemetry.totals["train_microbatches"] - before >= 20  # one after (nearly) every step
+        assert eng.snapshot().window.training_beside_serving_frac > 0  # it shared time with the request
     finally:
         eng.end_jobs()
         eng.stop()

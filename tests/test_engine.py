@@ -379,6 +379,8 @@ def test_scheduler_trains_when_idle():
         assert rep.first_loss is not None and rep.tokens > 0
         snap = eng.snapshot()
         assert snap.train_steps_total == 3 and snap.window.totals["train_tokens"] >= rep.tokens
+        # all of it in idle time: none of it shared time with serving (what the router's stretch counts)
+        assert snap.window.training_busy_frac > 0 and snap.window.training_beside_serving_frac == 0
     finally:
         eng.stop()
 

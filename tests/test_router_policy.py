@@ -192,3 +192,32 @@ def test_admission_refuses_exactly_when_the_soonest_ttft_misses_the_target():
         seen.add((unattainable(d), unattainable(d, margin=1.1)))
     assert seen == {(True, True), (True, False), (False, False)}  # the sweep crosses both lines
     assert choose("round_robin", views, x, _random.Random(0)).soonest is None  # the baselines never refuse
+
+
+def _metrics(**gauges) -> str:
+    from collm.common import metric_names as M
+
+    lines = [f"{M.QUEUE_DEPTH} 0", f"{M.RUNNING} 1", f"{M.MAX_RUNNING} 8", f"{M.SLO_TTFT} 1.0", f"{M.SLO_TPOT} 0.1",
+             f"{M.SPARE_CAPACITY} 0.7", f"{M.TRAINING_ACTIVE} 1"]
+    lines += [f'{M.STEP_COST}{{term="{t}"}} {c}' for t, c in zip(M.STEP_COST_TERMS, COEF)]
+    lines += [f"{getattr(M, k)} {v}" for k, v in gauges.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_idle_time_training_does_not_count_as_stretching_serving():
+    """An edge that trains only in its idle time (the default rule) serves at its bare step cost; the
+    stretch g counts only training beside serving. Counting all of it made a lightly loaded edge look
+    1/rho times slower, and the router sent every request to whichever edge was not training."""
+    from collm.router.state import scrape_from_metrics
+
+    s = scrape_from_metrics(_metrics(TRAINING_BUSY=0.6, TRAINING_BESIDE_SERVING=0.0), at=0.0, outstanding_at=0)
+    assert s.training_busy == 0.0
+    older = scrape_from_metrics(_metrics(TRAINING_BUSY=0.6), at=0.0, outstanding_at=0)  # an edge without the gauge
+    assert older.training_busy == 0.6
+    trains = idle("trains", running=1, training_active=True, training_busy=s.training_busy, spare_capacity=0.7)
+    serves = idle("serves", running=2, spare_capacity=0.5)  # not training, a little busier
+    assert estimate(trains, X).tpot_s == pytest.approx(estimate(idle("x", running=1), X).tpot_s)
+    picks = Counter(choose("slo", [trains, serves], X, random.Random(k)).edge for k in range(40))
+    assert picks["trains"] > 10  # both are candidates (before: every request went to "serves")
+    stretched = replace(trains, training_busy=older.training_busy)
+    assert {choose("slo", [stretched, serves], X, random.Random(k), a=STRICT).edge for k in range(20)} == {"serves"}

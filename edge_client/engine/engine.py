@@ -489,8 +489,8 @@ class Engine:
             return False
         try:
             unit = job.next_unit()
-            verdict = self.policy.verdict(self._serving_load(now),
-                                          self.costs.unit_time(job.kind, unit.kind, unit.tokens))
+            load = self._serving_load(now)
+            verdict = self.policy.verdict(load, self.costs.unit_time(job.kind, unit.kind, unit.tokens))
             if not verdict.run:
                 job.report.deferrals += 1
                 self.telemetry.record_deferral()
@@ -503,7 +503,7 @@ class Engine:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 self.costs.observe_unit(job.kind, unit.kind, unit.tokens, dt)
-                self.telemetry.record_background(job.kind, dt, completed_tokens)
+                self.telemetry.record_background(job.kind, dt, completed_tokens, beside_serving=not load.idle)
                 if verdict.reason == "busy-share":
                     self.policy.spent(dt)
                 job.report.compute_seconds += dt

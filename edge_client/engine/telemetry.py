@@ -65,6 +65,7 @@ class WindowStats:
     batch_mean: float
     serving_busy_frac: float
     training_busy_frac: float
+    training_beside_serving_frac: float  # training units that ran while requests were running or waiting
     eval_busy_frac: float
     spare_capacity: float  # 1 - serving busy fraction
     train_tokens_per_s: float
@@ -115,7 +116,7 @@ class Telemetry:
         self._lock = threading.Lock()
         self._requests: deque[tuple[float, RequestRecord]] = deque()
         self._steps: deque[tuple[float, float, int]] = deque()  # (t_end, seconds, batch size)
-        self._background: deque[tuple[float, str, float, int]] = deque()  # (t_end, kind, s, tokens)
+        self._background: deque[tuple[float, str, float, int, bool]] = deque()  # (t_end, kind, s, tokens, beside)
         self.listeners: list[Callable[[RequestRecord], None]] = []
         self.totals = {"requests": 0, "completed": 0, "slo_met": 0, "cancelled": 0, "expired": 0, "output_tokens": 0,
                        "steps": 0, "train_tokens": 0, "eval_tokens": 0, "train_microbatches": 0,
@@ -147,11 +148,12 @@ class Telemetry:
             self.totals["steps"] += 1
             self._trim(now)
 
-    def record_background(self, kind: str, seconds: float, tokens: int) -> None:
-        """One unit of a background job took `seconds`; `tokens` > 0 when it completed a micro-batch of them."""
+    def record_background(self, kind: str, seconds: float, tokens: int, beside_serving: bool = False) -> None:
+        """One unit of a background job took `seconds`; `tokens` > 0 when it completed a micro-batch of them;
+        `beside_serving`: it ran while requests were running or waiting (not in idle time)."""
         now = time.perf_counter()
         with self._lock:
-            self._background.append((now, kind, seconds, tokens))
+            self._background.append((now, kind, seconds, tokens, beside_serving))
             self.totals["background_units"] += 1
             self.totals[f"{kind}_tokens"] += tokens
             if kind == "train" and tokens:
@@ -173,8 +175,9 @@ class Telemetry:
             totals = dict(self.totals)
         done = [r for r in recs if r.completed]
         serve_busy = sum(s for _, s, _ in steps)
-        train_busy = sum(s for _, k, s, _ in bg if k == "train")
-        eval_busy = sum(s for _, k, s, _ in bg if k == "eval")
+        train_busy = sum(s for _, k, s, _, _ in bg if k == "train")
+        train_beside = sum(s for _, k, s, _, beside in bg if k == "train" and beside)
+        eval_busy = sum(s for _, k, s, _, _ in bg if k == "eval")
         step_times = [s for _, s, _ in steps]
         ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
         tpots = [r.tpot_s for r in done if r.tpot_s]
@@ -190,8 +193,9 @@ class Telemetry:
             batch_mean=(sum(b for _, _, b in steps) / len(steps)) if steps else 0.0,
             serving_busy_frac=min(serve_busy / span, 1.0),
             training_busy_frac=min(train_busy / span, 1.0),
+            training_beside_serving_frac=min(train_beside / span, 1.0),
             eval_busy_frac=min(eval_busy / span, 1.0),
             spare_capacity=max(0.0, 1.0 - serve_busy / span),
-            train_tokens_per_s=sum(t for _, k, _, t in bg if k == "train") / span,
+            train_tokens_per_s=sum(t for _, k, _, t, _ in bg if k == "train") / span,
             totals=totals,
         )
