@@ -50,6 +50,7 @@ class Columns:
     unused: np.ndarray
     budget: np.ndarray
     safety: np.ndarray
+    share: np.ndarray  # training_share: the p2c tie-break after load
 
 
 def _opt(v: float | None) -> float:
@@ -68,7 +69,7 @@ def columns_from_views(views: list[EdgeView]) -> Columns:
         f([v.training_active for v in views], bool), f([v.training_busy for v in views], float),
         f([v.spare_capacity for v in views], float), f([v.finish_rate for v in views], float),
         f([v.unused_s for v in views], float), f([_opt(v.step_token_budget) for v in views]),
-        f([_opt(v.slo_safety) for v in views]))
+        f([_opt(v.slo_safety) for v in views]), f([v.training_share for v in views], float))
 
 
 def _or(values: np.ndarray, default: float) -> np.ndarray:
@@ -137,7 +138,7 @@ def choose_slo(c: Columns, x: RequestView, rng: random.Random, a: Assumptions = 
         return Decision(c.names[i], _estimate(c, e, i), "best", soonest)
     i, j = rng.sample(range(len(near)), 2)
     one, two = int(near[i]), int(near[j])
-    key = lambda r: (c.outstanding[r], e["n"][r])  # noqa: E731
+    key = lambda r: (c.outstanding[r], e["n"][r], c.share[r])  # noqa: E731
     pick = two if key(two) < key(one) else one
     return Decision(c.names[pick], _estimate(c, e, pick), f"p2c among {len(near)}", soonest)
 
@@ -162,7 +163,7 @@ class FleetTable:
             "outstanding_at": 0.0, "queue": np.nan, "running": np.nan, "max_running": float(default_max_running),
             **{f"c{i}": DEFAULT_COEF[i] for i in range(4)}, "ttft_target": ttft_target_s,
             "tpot_target": tpot_target_s, "training": False, "busy": 0.0, "spare": 1.0, "finish_rate": 0.0,
-            "budget": np.nan, "safety": np.nan}
+            "budget": np.nan, "safety": np.nan, "share": 0.0}
         self.data = {k: np.full(N, v, dtype=bool if isinstance(v, bool) else float) for k, v in self.blank.items()}
         for i, e in enumerate(edges):
             self.attach(i, e)
@@ -195,6 +196,7 @@ class FleetTable:
         d["training"][i], d["busy"][i], d["spare"][i] = s.training_active, s.training_busy, s.spare_capacity
         d["finish_rate"][i], d["budget"][i], d["safety"][i] = s.finish_rate, _opt(s.step_token_budget), \
             _opt(s.slo_safety)
+        d["share"][i] = s.training_share
 
     def routable(self, now: float, exclude: list[int] = ()) -> np.ndarray | None:
         """Rows a request may go to: healthy, not among `exclude`, and not cooling down unless every
@@ -221,7 +223,7 @@ class FleetTable:
         d = {k: v[idx] for k, v in self.data.items()}  # views when whole: never written below
         if not fresh.all():
             stale = ~fresh
-            for k in ("outstanding_at", "queue", "running", "training", "busy", "spare", "finish_rate"):
+            for k in ("outstanding_at", "queue", "running", "training", "busy", "spare", "finish_rate", "share"):
                 d[k] = np.where(stale, self.blank[k], d[k])
         return Columns(names=self.names if whole else self._names[idx].tolist(),
                        outstanding=self.outstanding[idx].copy(), unused=now - self.last_sent[idx], **d)

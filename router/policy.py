@@ -41,7 +41,9 @@ targets (`collm_slo_ttft_seconds`, `collm_slo_tpot_seconds`) -- estimate on ever
     near  = {e : slack_e >= min(best - tie_margin, comfort)}
     choose  the edge of `near` with the most slack if it is alone; otherwise sample two edges of `near`
             at random and take the one with fewer requests in flight from this router (then smaller
-            n, then the first sampled): power of two choices.
+            n, then the one that trains less, then the first sampled): power of two choices. The
+            training tie-break keeps requests off a training edge when it costs nothing, e.g. at low
+            load when both are empty, so it trains on; it never outweighs load.
 
     probe   before all that: an edge that is idle (n = 0) and has had nothing from this router for
             probe_after_s seconds, while not in `near`, gets x (the longest-idle one first).
@@ -96,6 +98,7 @@ class EdgeView:
     unused_s: float = 0.0  # seconds since this router last sent the edge a request
     step_token_budget: float | None = None  # B as the edge exports it (None: Assumptions' value)
     slo_safety: float | None = None  # s as the edge exports it (None: Assumptions' value)
+    training_share: float = 0.0  # fraction of the window spent training, idle time included (a tie-break)
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,7 @@ def choose_slo(edges: list[EdgeView], x: RequestView, rng: random.Random,
         return Decision(near[0].name, ests[near[0].name], "best", soonest)
     i, j = rng.sample(range(len(near)), 2)
     one, two = near[i], near[j]
-    pick = min((one, two), key=lambda e: (e.outstanding, ests[e.name].load))
+    pick = min((one, two), key=lambda e: (e.outstanding, ests[e.name].load, e.training_share))
     return Decision(pick.name, ests[pick.name], f"p2c among {len(near)}", soonest)
 
 

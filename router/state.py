@@ -45,6 +45,7 @@ class Scrape:
     finish_rate: float
     step_token_budget: float | None  # None: an edge that does not export it (config default)
     slo_safety: float | None
+    training_share: float = 0.0  # all training over the window, idle time included (a tie-break)
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -81,7 +82,8 @@ def scrape_from_metrics(text: str, at: float, outstanding_at: int) -> Scrape:
         training_busy=num(M.TRAINING_BESIDE_SERVING, 0.0) if M.TRAINING_BESIDE_SERVING in s
         else num(M.TRAINING_BUSY, 0.0),
         spare_capacity=num(M.SPARE_CAPACITY, 1.0), finish_rate=num(M.REQUEST_RATE, 0.0),
-        step_token_budget=s.get(M.STEP_TOKEN_BUDGET), slo_safety=s.get(M.SLO_SAFETY))
+        step_token_budget=s.get(M.STEP_TOKEN_BUDGET), slo_safety=s.get(M.SLO_SAFETY),
+        training_share=num(M.TRAINING_BUSY, 0.0))
 
 
 MIRRORED = ("healthy", "cooldown_until", "outstanding", "last_sent", "scrape")
@@ -175,7 +177,7 @@ class EdgeState:
         return EdgeView(
             self.name, self.outstanding, s.outstanding_at, s.queue_depth, s.running, s.max_running, s.step_coef,
             s.ttft_target_s, s.tpot_target_s, s.training_active, s.training_busy, s.spare_capacity, s.finish_rate,
-            unused, s.step_token_budget, s.slo_safety)
+            unused, s.step_token_budget, s.slo_safety, s.training_share)
 
     def describe(self) -> dict:
         s = self.scrape

@@ -24,7 +24,8 @@ def random_view(i: int, rng: random.Random) -> EdgeView:
         ttft_target_s=rng.choice([0.5, 2.0]), tpot_target_s=rng.choice([0.05, 0.2]),
         training_active=rng.random() < 0.5, training_busy=rng.random() * 0.6, spare_capacity=rng.random(),
         finish_rate=rng.choice([0.0, rng.random() * 3]), unused_s=rng.random() * 10,
-        step_token_budget=rng.choice([None, 0.0, 64.0, 512.0]), slo_safety=rng.choice([None, 0.7]))
+        step_token_budget=rng.choice([None, 0.0, 64.0, 512.0]), slo_safety=rng.choice([None, 0.7]),
+        training_share=rng.choice([0.0, 0.3, rng.random()]))
 
 
 def random_request(rng: random.Random) -> RequestView:
@@ -71,7 +72,8 @@ def _scrape(rng: random.Random, at: float) -> Scrape:
                   step_coef=(0.02, 0.003 * rng.random(), 3e-5, 0.0008), ttft_target_s=1.0, tpot_target_s=0.1,
                   training_active=rng.random() < 0.5, training_busy=0.3 * rng.random(),
                   spare_capacity=rng.random(), finish_rate=rng.random(),
-                  step_token_budget=rng.choice([None, 128.0]), slo_safety=rng.choice([None, 0.9]))
+                  step_token_budget=rng.choice([None, 128.0]), slo_safety=rng.choice([None, 0.9]),
+                  training_share=rng.choice([0.0, rng.random()]))
 
 
 def test_fleet_table_gives_the_rule_what_edge_state_view_gives():

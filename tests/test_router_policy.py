@@ -221,3 +221,13 @@ def test_idle_time_training_does_not_count_as_stretching_serving():
     assert picks["trains"] > 10  # both are candidates (before: every request went to "serves")
     stretched = replace(trains, training_busy=older.training_busy)
     assert {choose("slo", [stretched, serves], X, random.Random(k), a=STRICT).edge for k in range(20)} == {"serves"}
+
+
+def test_among_equally_loaded_edges_the_one_that_trains_less_gets_the_request():
+    """At low load both edges are empty: the request goes where it costs no training; load still
+    comes first (an edge with a request in flight loses to an idle one that trains)."""
+    trains = idle("trains", training_active=True, training_share=0.9)
+    rests = idle("rests", training_active=True, training_share=0.1)
+    assert {choose("slo", [trains, rests], X, random.Random(k)).edge for k in range(20)} == {"rests"}
+    busy = replace(rests, outstanding=1)
+    assert {choose("slo", [trains, busy], X, random.Random(k)).edge for k in range(20)} == {"trains"}
