@@ -162,7 +162,6 @@ def bench_kernels(which: str, args, dev: torch.device) -> dict:
     rng = random.Random(0)
     for B in args.batches:
         for rnd in range(rounds):
-            order = variants
             label = f"kernels/{which} batch {B} round {rnd + 1}/{rounds}"
             wait_quiet(label, args.wait_quiet)
             say(f"[{label}]: prefill {P} tok + {K} decode steps x {len(variants)} variants")
@@ -170,19 +169,19 @@ def bench_kernels(which: str, args, dev: torch.device) -> dict:
             # interleaved step by step, in a new random order each time: a variant's time does not
             # depend on which one ran before it (a fixed rotation kept the same neighbours and
             # showed identical code paths 15% apart)
-            for v in rng.sample(order, len(order)):
+            for v in rng.sample(variants, len(variants)):
                 sync(dev)
                 t = time.perf_counter()
                 v.prefill(prompts8[:B])
                 sync(dev)
                 times.setdefault((v.name, B, "prefill"), []).append((rnd, time.perf_counter() - t))
             for _ in range(K):
-                for v in rng.sample(order, len(order)):
+                for v in rng.sample(variants, len(variants)):
                     t = time.perf_counter()
                     v.decode()
                     sync(dev)
                     times.setdefault((v.name, B, "decode"), []).append((rnd, time.perf_counter() - t))
-            for v in order:
+            for v in variants:
                 v.reset()
             round_noise[(B, rnd)] = meter.stop()
             note_during(label, round_noise[(B, rnd)])

@@ -75,7 +75,6 @@ class FusedLinear:
             col += b.out_features
         self.members = tuple(members)
         self.out_features = col
-        self.sizes = [mb.end - mb.start for mb in self.members]
         self.key = tuple((mb.lora, mb.start, mb.end) for mb in self.members)  # what a version's fused A/B depend on
         self.stacks: OrderedDict = OrderedDict()
         self.weight = self.bias = None
@@ -126,16 +125,8 @@ class FusedLinear:
                 return self.modules[0](x)
             return torch.cat([m(x) for m in self.modules], dim=-1)
         y = F.linear(x, self.weight, self.bias)
-        binding = current_binding()
-        if isinstance(binding, ServingBinding):
-            return binding.apply_fused(self, x, y)
-        if binding is not None:  # training binding: per member (autograd through each A, B)
-            parts = list(y.split(self.sizes, dim=-1))
-            for i, mb in enumerate(self.members):
-                if mb.lora is not None:
-                    parts[i] = binding.apply(mb.lora, x, parts[i])
-            return torch.cat(parts, dim=-1)
-        return y
+        binding: ServingBinding | None = current_binding()  # the runner serves: only serving bindings
+        return y if binding is None else binding.apply_fused(self, x, y)
 
     def stacked(self, versions: tuple):
         """`versions`' LoRA laid out member-major for a mixed batch (None: no LoRA on this group):
@@ -150,8 +141,9 @@ class FusedLinear:
         value = None
         if lora:
             with torch.no_grad():
-                a = torch.cat([w.a_t[m.lora] for m in lora for w in versions], dim=1)
-                bs = tuple((m, torch.cat([w.b_t[m.lora] for w in versions], dim=0)) for m in lora)
+                dt = self.weight.dtype  # cast once here, not per call on the serving path
+                a = torch.cat([w.a_t[m.lora] for m in lora for w in versions], dim=1).to(dt)
+                bs = tuple((m, torch.cat([w.b_t[m.lora] for w in versions], dim=0).to(dt)) for m in lora)
             value = (a, bs, versions[0].a_t[lora[0].lora].shape[1])
         self.stacks[k] = (versions, value)  # the versions themselves keep their ids from being reused
         while len(self.stacks) > self.STACKS_KEPT:

@@ -73,7 +73,7 @@ class AdapterWeights:
                     r = self.a_t[m.lora].shape[1]
                     b[r0:r0 + r, m.start:m.end] = self.b_t[m.lora]
                     r0 += r
-            value = (a, b)
+            value = (a.to(f.weight.dtype), b.to(f.weight.dtype))  # cast once here, not per call
         self._fused[f.key] = value
         return value
 
@@ -141,7 +141,7 @@ class ServingBinding:
             ab = self.single.fused(f)
             if ab is not None:
                 a, b = ab
-                y2.addmm_(x2.to(a.dtype) @ a, b.to(y2.dtype))
+                y2.addmm_(x2 @ a, b)
             return y
         if rows > self.LOOP_ROWS:
             for start, end, w in self.groups:
@@ -150,17 +150,17 @@ class ServingBinding:
                 ab = w.fused(f)
                 if ab is not None:
                     a, b = ab
-                    y2[start:end].addmm_(x2[start:end].to(a.dtype) @ a, b.to(y2.dtype))
+                    y2[start:end].addmm_(x2[start:end] @ a, b)
             return y
         st = f.stacked(self.versions)
         if st is None:
             return y
         a, bs, r = st
         V = len(self.versions)
-        xa = (x2.to(a.dtype) @ a).mul_(self._mask(rows, len(bs), r, a.dtype))
+        xa = (x2 @ a).mul_(self._mask(rows, len(bs), r, a.dtype))
         w_ = V * r
         for k, (mb, b) in enumerate(bs):
-            y2[:, mb.start:mb.end].addmm_(xa[:, k * w_:(k + 1) * w_], b.to(y2.dtype))
+            y2[:, mb.start:mb.end].addmm_(xa[:, k * w_:(k + 1) * w_], b)
         return y
 
     def _mask(self, rows: int, members: int, r: int, dtype) -> torch.Tensor:
