@@ -6,7 +6,9 @@ TRAIN     instruction  {"arrays": ArrayRecord (global adapter, fp32, PEFT keys, 
                         collm.common.wire; EMPTY in round 1 =
                         start from the identical seeded initial adapter),
                         "config": ConfigRecord({"server-round", "budget-tokens", "deadline-s", "lr",
-                                                 ["proximal-mu" with FedProx]})}
+                                                 ["proximal-mu" with FedProx],
+                                                 ["lora-freeze-a": 1 with lora_aggregation ffa],
+                                                 ["clipping_norm": C with dp]})}
           reply        {"arrays": ArrayRecord (local adapter fp32, packed), "metrics": MetricRecord(TRAIN_KEYS),
                         "identity": ConfigRecord}
 EVALUATE  instruction  {"arrays": global adapter after round r, "config": {"server-round": r}}
@@ -33,6 +35,8 @@ BUDGET_TOKENS = "budget-tokens"
 DEADLINE_S = "deadline-s"
 LR = "lr"
 PROXIMAL_MU = "proximal-mu"
+FREEZE_A = "lora-freeze-a"  # FFA-LoRA: train only the B matrices (A stays the global's)
+CLIPPING_NORM = "clipping_norm"  # DP: clip the update to this L2 norm (Flower's KEY_CLIPPING_NORM)
 
 TRAIN_KEYS = ("num-examples", "train-loss", "train-tokens", "train-steps", "deadline-hit", "seconds", "carried-tokens")
 EVAL_KEYS = ("num-examples", "eval-loss", "eval-accuracy", "adapter-version")

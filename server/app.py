@@ -52,6 +52,8 @@ def run(grid: Grid, cfg: ServerConfig) -> None:
         log(INFO, "starting at round 1: the edges start from their identical seeded adapter")
 
     strategy = build_strategy(cfg, round_offset=done, server_state=server_state)
+    if done:
+        strategy.restore_history(load_all_metrics(cfg.checkpoint_dir))
     t0 = time.time()
     strategy.start(grid=grid, initial_arrays=arrays, num_rounds=cfg.rounds - done,
                    timeout=cfg.round_timeout_s, train_config=ConfigRecord(), evaluate_config=ConfigRecord())

@@ -41,11 +41,19 @@ a cap is only an estimate from a window of load, and an edge that reaches its bu
 training with spare time left, while one given more than it can train just meets the deadline
 (its co-execution rule keeps training out of serving's way either way). Every participant gets
 budget ⌊x_i⌋ tokens and the same deadline D.
+
+Partial participation (`fraction_train` < 1): before the rule above, `choose_participants` keeps
+k of the N edges that reported, k = max(⌊N · fraction⌋, min_train_nodes): first the edges that can
+take part (data, and a cap of at least m tokens), among them those that trained least recently
+(never first), then the largest expected gain ĝ_i · cap_i. The least-recent order rotates
+participation, so over rounds every edge's non-IID data reaches the global; the cap keeps a slot
+from going to an edge too busy to use it. This is a load-aware choice, not a random sample (which
+matters for differential privacy: no sampling amplification is claimed, `collm.server.privacy`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from collm.common.protocol import LoadReport
@@ -171,6 +179,36 @@ def balance(reports: list[LoadReport], p: BalancerParams) -> list[Decision]:
         decisions.append(Decision(name, True, tokens, float(p.round_deadline_s), f"{tokens} tokens; {why}",
                                   caps[name], weights[name]))
     return decisions
+
+
+def participants_wanted(available: int, fraction: float, min_nodes: int) -> int:
+    """k = max(⌊N · fraction⌋, min_nodes), at most N (Flower's count for fraction_train)."""
+    return min(available, max(int(available * fraction), min_nodes))
+
+
+def choose_participants(reports: list[LoadReport], p: BalancerParams, k: int,
+                        last_took_part: Mapping[str, int]) -> tuple[list[LoadReport], dict[str, str]]:
+    """The k reports that take part this round (in their order) and why each other edge does not.
+
+    `last_took_part`: edge -> the last round it was sent a TRAIN message (missing: never)."""
+    if k >= len(reports):
+        return list(reports), {}
+    caps = {r.name: capacity(r, p) for r in reports}
+    gains = gain_estimates(reports)
+
+    def able(r: LoadReport) -> bool:
+        return r.train_examples > 0 and caps[r.name] > 0 and caps[r.name] >= p.min_edge_tokens
+
+    order = sorted(reports, key=lambda r: (not able(r), last_took_part.get(r.name, -1),
+                                           -caps[r.name] * gains[r.name], r.name))
+    chosen = {r.name for r in order[:k]}
+    left_out = {}
+    for r in order[k:]:
+        last = last_took_part.get(r.name)
+        left_out[r.name] = (f"not chosen: {k} of {len(reports)} edges train this round (fraction_train); "
+                            f"trained last {'never' if last is None else f'in round {last}'}, "
+                            f"cap {caps[r.name]:.0f} tokens")
+    return [r for r in reports if r.name in chosen], left_out
 
 
 def uniform(reports: list[LoadReport], p: BalancerParams) -> list[Decision]:

@@ -51,6 +51,18 @@ class BalancerConfig(Strict):
                                "aggregated (every edge busy), instead of polling the edges back to back")
 
 
+class DPConfig(Strict):
+    """Central differential privacy, client-level (see `collm.server.privacy`)."""
+
+    clipping_norm: float = Field(..., gt=0, description="each edge clips its update (local - start, all tensors "
+                                 "together) to this L2 norm")
+    noise_multiplier: float = Field(1.0, ge=0, description="z: the server adds Gaussian noise of std "
+                                    "z x clipping_norm / (updates averaged); 0: clipping only, no privacy claimed")
+    target_delta: float = Field(1e-5, gt=0, lt=1, description="the delta the spent epsilon is reported at")
+    max_epsilon: float | None = Field(None, gt=0, description="no more training once the next round would spend "
+                                      "more than this epsilon (the rounds go on; the global stays as it is)")
+
+
 class ServerConfig(Strict):
     """Configuration of the CoLLM ServerApp."""
 
@@ -61,6 +73,19 @@ class ServerConfig(Strict):
     min_nodes: int = Field(2, ge=1, description="wait for this many edges before the first round starts")
     min_round_nodes: int | None = Field(None, ge=1, description="every later round needs only this many (an edge "
                                         "that died or left is skipped); default: min_nodes")
+    fraction_train: float = Field(1.0, gt=0, le=1, description="share of the available edges asked to train each "
+                                  "round, at least min_train_nodes (as Flower counts it: int(n x fraction)); the "
+                                  "balancer chooses which: those that trained least recently, then the most spare "
+                                  "capacity (collm.server.balancer.choose_participants)")
+    min_train_nodes: int = Field(1, ge=1, description="train on at least this many edges a round (when available)")
+    fraction_evaluate: float = Field(1.0, gt=0, le=1, description="share of the edges sent each new global to "
+                                     "evaluate and serve; an edge left out serves it from its next TRAIN message")
+    lora_aggregation: Literal["separate", "ffa"] = Field("separate", description="separate: A and B averaged "
+                                                         "separately (the mean of the B's times the mean of the A's "
+                                                         "is not the mean of the products B.A); ffa: FFA-LoRA, A "
+                                                         "stays at every edge's identical seeded init and only B is "
+                                                         "trained and averaged, which is exact")
+    dp: DPConfig | None = Field(None, description="central differential privacy (unset: off)")
     lora: LoraConfig = LoraConfig()
     base_model_name: str = Field("collm-tiny", min_length=1,
                                  description="base_model_name_or_path written to adapter_config.json")
@@ -78,6 +103,9 @@ class ServerConfig(Strict):
     def _timeout_covers_deadline(self) -> ServerConfig:
         if self.min_round_nodes is not None and self.min_round_nodes > self.min_nodes:
             raise ValueError(f"min_round_nodes ({self.min_round_nodes}) must not exceed min_nodes ({self.min_nodes})")
+        if self.dp is not None and self.strategy == "fedadam":
+            raise ValueError("dp: works with strategy fedavg or fedprox; fedadam's server step is not the averaged "
+                             "update the noise is calibrated to (set strategy: fedavg, or remove dp)")
         if self.round_timeout_s <= self.balancer.round_deadline_s:
             raise ValueError(
                 f"round_timeout_s ({self.round_timeout_s:g}) must be larger than "

@@ -2,12 +2,17 @@
 
 `CollmRounds` overrides only what changes; the averaging and FedAdam's server step stay flwr's:
 
-* `configure_train`  asks the sampled edges for a load report (a QUERY message), runs the
-  balancer and sends a TRAIN message only to the edges that take part, each with its own
-  ConfigRecord: flwr's base config ("server-round", "proximal-mu" for FedProx) plus
-  "budget-tokens", "deadline-s" and "lr". No edge taking part means no training this round.
+* `configure_train`  asks every available edge for a load report (a QUERY message), keeps
+  `fraction_train` of them (`balancer.choose_participants`), runs the balancer and sends a TRAIN
+  message only to the edges that take part, each with its own ConfigRecord: flwr's base config
+  ("server-round", "proximal-mu" for FedProx) plus "budget-tokens", "deadline-s" and "lr"
+  ("lora-freeze-a" under FFA-LoRA, "clipping_norm" under DP). No edge taking part means no
+  training this round.
 * `aggregate_train`  records each edge's train metrics, leaves bad updates out
-  (`collm.server.robust`) and hands the rest to flwr. Nothing left: the global stays as it was.
+  (`collm.server.robust`; under FFA-LoRA also one that changed A, under DP one not clipped) and
+  hands the rest to flwr (under DP with equal weights, then noised: `collm.server.privacy`).
+  Nothing left: the global stays as it was.
+* `configure_evaluate`  sends the new global to `fraction_evaluate` of the edges, which serve it.
 * `aggregate_evaluate` records each edge's holdout metrics.
 * `start`  checkpoints the round (adapter + metrics.json) after its evaluation; only then is the
   round complete.
@@ -35,12 +40,13 @@ from collm.common import protocol as P
 from collm.common import wire
 
 from collm.common.protocol import LoadReport
-from collm.server.balancer import BALANCERS, BalancerParams, Decision
+from collm.server.balancer import BALANCERS, BalancerParams, Decision, choose_participants, participants_wanted
 from collm.common.rounds import write_status
 from collm.server.checkpoints import write_round
 from collm.server.config import ServerConfig
+from collm.server.privacy import PrivacyLedger, Release, noised
 from collm.server.replies import edge_name
-from collm.server.robust import Update, screen_updates
+from collm.server.robust import Update, screen_updates, update_norm
 
 
 class CollmRounds:
@@ -75,6 +81,9 @@ class CollmRounds:
         self._started: dict[int, float] = {}
         self._node_names: dict[int, str] = {}     # last name each node reported
         self._norm_history: deque[float] = deque(maxlen=8)  # update norms the last rounds kept
+        self._last_trained: dict[str, int] = {}   # edge -> last round it was sent a TRAIN message
+        dp = server_cfg.dp
+        self.privacy = PrivacyLedger(dp.target_delta) if dp is not None else None
 
     # ------------------------------------------------------------------------------ rounds
     def real_round(self, server_round: int) -> int:
@@ -88,7 +97,7 @@ class CollmRounds:
                 "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "balancer": [], "training_skipped": None,
                 "train": {}, "dropped": {}, "kept": [], "train_aggregate": None,
-                "eval": {}, "eval_aggregate": None, "refused_by": [],
+                "eval": {}, "eval_aggregate": None, "refused_by": [], "privacy": None,
             }
         return self.history[r]
 
@@ -128,6 +137,15 @@ class CollmRounds:
             self.m_t = state.get("m_t") or None
             self.v_t = state.get("v_t") or None
 
+    def restore_history(self, metrics_by_round: dict[int, dict]) -> None:
+        """A resumed run continues the privacy ledger and the participation order of the rounds done."""
+        if self.server_cfg.dp is not None:
+            self.privacy = PrivacyLedger.from_history(self.server_cfg.dp.target_delta, metrics_by_round)
+        for r in sorted(metrics_by_round):
+            for d in metrics_by_round[r].get("balancer", []):
+                if d.get("take_part"):
+                    self._last_trained[d["edge"]] = r
+
     def _names_of(self, replies: list[Message]) -> dict[int, str]:
         """Edge name per replying node: the reported one, else the last one known, else node-<id>."""
         names = {}
@@ -142,8 +160,7 @@ class CollmRounds:
                         grid: Grid) -> Iterable[Message]:
         r = self.real_round(server_round)
         if server_round > 1:  # after the first round, continue with the edges that remain
-            n = self.server_cfg.nodes_after_first_round
-            self.min_available_nodes = self.min_train_nodes = self.min_evaluate_nodes = n
+            self.min_available_nodes = self.server_cfg.nodes_after_first_round
         if r - 1 in self.history and not self.history[r - 1]["kept"]:
             # the last round changed nothing (every edge busy): give the edges a while before asking again
             time.sleep(self.server_cfg.balancer.idle_wait_s)
@@ -156,7 +173,14 @@ class CollmRounds:
         node_ids = [m.metadata.dst_node_id for m in base]
 
         reports, no_report = self._query_reports(r, node_ids, grid)
-        decisions = {d.name: d for d in self.balance(list(reports.values()), self.balancer_params)}
+        decisions = self._decide(list(reports.values()))
+        if why := self._privacy_exhausted(sum(d.take_part for d in decisions.values())):
+            decisions = {n: Decision(n, False, 0, 0.0, why) for n in decisions}
+        extra_config = {}
+        if self.server_cfg.lora_aggregation == "ffa":
+            extra_config[P.FREEZE_A] = 1
+        if self.server_cfg.dp is not None:
+            extra_config[P.CLIPPING_NORM] = self.server_cfg.dp.clipping_norm
         messages = []
         packed = wire.pack_record(arrays)  # one Array on the wire, not one per tensor (common/wire.py)
         for nid in node_ids:
@@ -172,8 +196,9 @@ class CollmRounds:
                                     "report": None if report is None else vars(report)})
             log(INFO, "round %d: %s %s: %s", r, d.name, "trains" if d.take_part else "sits out", d.reason)
             if d.take_part:
+                self._last_trained[d.name] = r
                 cfg = ConfigRecord({**base_config, P.BUDGET_TOKENS: d.budget_tokens,
-                                    P.DEADLINE_S: d.deadline_s, P.LR: self.server_cfg.balancer.lr})
+                                    P.DEADLINE_S: d.deadline_s, P.LR: self.server_cfg.balancer.lr, **extra_config})
                 content = RecordDict({self.arrayrecord_key: packed, self.configrecord_key: cfg})
                 messages.append(Message(content, dst_node_id=nid, message_type=MessageType.TRAIN))
         write_status(self.server_cfg.checkpoint_dir, {
@@ -184,6 +209,26 @@ class CollmRounds:
             log(WARNING, "round %d: no edge takes part, so no training this round; the global adapter "
                 "stays as it is", r)
         return messages
+
+    def _decide(self, reports: list[LoadReport]) -> dict[str, Decision]:
+        """Who trains how much: `fraction_train` of the edges (least recently trained first), then the balancer."""
+        cfg = self.server_cfg
+        k = participants_wanted(len(reports), cfg.fraction_train, cfg.min_train_nodes)
+        chosen, left_out = choose_participants(reports, self.balancer_params, k, self._last_trained)
+        decisions = {d.name: d for d in self.balance(chosen, self.balancer_params)}
+        decisions.update({name: Decision(name, False, 0, 0.0, why) for name, why in left_out.items()})
+        return decisions
+
+    def _privacy_exhausted(self, n: int) -> str | None:
+        """Why no edge may train this round under DP's max_epsilon, or None."""
+        dp = self.server_cfg.dp
+        if self.privacy is None or dp.max_epsilon is None or dp.noise_multiplier <= 0 or n == 0:
+            return None
+        spent = self.privacy.spent(Release(dp.noise_multiplier, n), len(self._node_names))
+        if spent.epsilon <= dp.max_epsilon:
+            return None
+        return (f"privacy budget: this round would bring epsilon to {spent.epsilon:.3g} at delta "
+                f"{dp.target_delta:g}, past dp.max_epsilon {dp.max_epsilon:g}")
 
     def _query_reports(self, r: int, node_ids: list[int],
                        grid: Grid) -> tuple[dict[int, LoadReport], dict[int, str]]:
@@ -237,13 +282,23 @@ class CollmRounds:
             updates.append(Update(name, float(rec["train"][name][P.NUM_EXAMPLES]), arrays))
             candidates.append(_keyed(m, arrays))
 
-        screening = screen_updates(updates, self._global, self.server_cfg.robust.norm_k, list(self._norm_history))
+        dp = self.server_cfg.dp
+        # under DP clipping bounds each update; comparing norms across edges would be outside its analysis
+        norm_k = float("inf") if dp is not None else self.server_cfg.robust.norm_k
+        screening = screen_updates(updates, self._global, norm_k, list(self._norm_history))
+        ref_a = self._reference_a([updates[i] for i in screening.kept])
+        for i in list(screening.kept):
+            if why := self._breaks_the_rule(updates[i], ref_a):
+                screening.dropped[i] = why
+                screening.kept.remove(i)
         self._norm_history.extend(screening.norms[i] for i in screening.kept)
         for i, why in screening.dropped.items():
             rec["dropped"][updates[i].name] = why
         for name, why in rec["dropped"].items():
             log(WARNING, "round %d: update from %s left out: %s", r, name, why)
         kept = [candidates[i] for i in screening.kept]
+        if dp is not None:  # equal weights: one edge moves the mean by at most clipping_norm / n
+            kept = [_with_weight(m, 1.0) for m in kept]
         rec["kept"] = [updates[i].name for i in screening.kept]
         if not kept:
             log(WARNING, "round %d: all %d updates were left out; the global adapter stays as it is",
@@ -260,10 +315,66 @@ class CollmRounds:
             arrays, metrics = FedAvg.aggregate_train(self, r, kept)
         else:
             arrays, metrics = super().aggregate_train(r, kept)
+        if arrays is not None and self.server_cfg.lora_aggregation == "ffa":
+            # every kept update carries the same A: keep it bit for bit (an average of equal
+            # floats can differ from them in the last bit, and would drift over rounds)
+            same_a = updates[screening.kept[0]].arrays
+            arrays = ArrayRecord({k: Array(np.asarray(same_a[k])) if "lora_A" in k else v for k, v in arrays.items()})
+        if arrays is not None and dp is not None:
+            arrays = self._privatize(r, arrays, len(kept))
         if arrays is not None and any(a.numpy().dtype != np.float32 for a in arrays.values()):
             arrays = ArrayRecord({k: Array(a.numpy().astype(np.float32)) for k, a in arrays.items()})
         rec["train_aggregate"] = None if metrics is None else dict(metrics)
         return arrays, metrics
+
+    def _reference_a(self, updates: list[Update]) -> dict[str, np.ndarray]:
+        """Under FFA-LoRA, the A every update must carry: the global's, or in round 1 (empty global,
+        edges start from their identical seeded adapter) the A most updates agree on."""
+        if self.server_cfg.lora_aggregation != "ffa" or not updates:
+            return {}
+        if self._global:
+            return {k: v for k, v in self._global.items() if "lora_A" in k}
+        groups: dict[bytes, list[Update]] = {}
+        for u in updates:
+            digest = b"".join(np.ascontiguousarray(u.arrays[k]).tobytes() for k in sorted(u.arrays) if "lora_A" in k)
+            groups.setdefault(digest, []).append(u)
+        most = max(groups.values(), key=lambda g: (len(g), sum(u.num_examples for u in g)))
+        return {k: v for k, v in most[0].arrays.items() if "lora_A" in k}
+
+    def _breaks_the_rule(self, u: Update, ref_a: dict[str, np.ndarray]) -> str | None:
+        """Why an update that passed the robust screen does not follow this run's aggregation rule."""
+        cfg = self.server_cfg
+        if cfg.lora_aggregation == "ffa":
+            if changed := next((k for k in sorted(ref_a) if k in u.arrays
+                                and not np.array_equal(u.arrays[k], ref_a[k])), None):
+                return f"lora_aggregation ffa: the update changed {changed} (A must stay frozen)"
+        if cfg.dp is not None and self._global:
+            norm = update_norm(u.arrays, self._global)
+            if norm > cfg.dp.clipping_norm * (1 + 1e-4) + 1e-6:
+                return f"dp: update norm {norm:.4g} is above clipping_norm {cfg.dp.clipping_norm:g} (not clipped)"
+        return None
+
+    def _privatize(self, r: int, arrays: ArrayRecord, n: int) -> ArrayRecord:
+        """The average of n clipped updates plus Gaussian noise; records the release and the privacy spent."""
+        dp = self.server_cfg.dp
+        state = {k: a.numpy() for k, a in arrays.items()}
+        keys = [k for k in state if "lora_B" in k] if self.server_cfg.lora_aggregation == "ffa" else list(state)
+        state, std = noised(state, keys, dp.noise_multiplier, dp.clipping_norm, n)
+        info = {"clipping_norm": dp.clipping_norm, "noise_multiplier": dp.noise_multiplier, "noise_std": std,
+                "updates": n, "release": None, "epsilon": None, "delta": dp.target_delta}
+        if dp.noise_multiplier > 0:
+            release = Release(dp.noise_multiplier, n)
+            self.privacy.record(release)
+            spent = self.privacy.spent(population=len(self._node_names))
+            info.update(release=vars(release), epsilon=spent.epsilon, releases=spent.num_releases)
+            log(INFO, "round %d: DP: %d updates clipped to %g, noise std %.3g; privacy spent epsilon %.3f at "
+                "delta %g after %d release(s)", r, n, dp.clipping_norm, std, spent.epsilon, dp.target_delta,
+                spent.num_releases)
+        else:
+            log(WARNING, "round %d: DP noise_multiplier is 0: updates clipped to %g, no privacy claimed",
+                r, dp.clipping_norm)
+        self._record(r)["privacy"] = info
+        return ArrayRecord({k: Array(np.asarray(v, np.float32)) for k, v in state.items()})
 
     # ------------------------------------------------------------------------------ evaluate
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -344,6 +455,14 @@ def _keyed(m: Message, arrays: dict[str, np.ndarray]) -> Message:
     return Message(content, metadata=m.metadata)
 
 
+def _with_weight(m: Message, weight: float) -> Message:
+    """The reply with its aggregation weight (num-examples) replaced."""
+    content = RecordDict(dict(m.content.items()))
+    key, rec = next(iter(m.content.metric_records.items()))
+    content[key] = MetricRecord({**dict(rec), P.NUM_EXAMPLES: weight})
+    return Message(content, metadata=m.metadata)
+
+
 def _common_metric_keys(replies: list[Message], r: int) -> list[Message]:
     """flwr's FedAvg rejects the whole round when MetricRecords differ in keys; keep the common ones."""
     records = [next(iter(m.content.metric_records.values())) for m in replies]
@@ -376,9 +495,11 @@ class CollmFedAdam(CollmRounds, FedAdam):
 
 def build_strategy(cfg: ServerConfig, round_offset: int = 0,
                    server_state: dict[str, dict[str, np.ndarray]] | None = None) -> CollmRounds:
-    """The strategy named by `cfg.strategy`, sampling every connected edge each round."""
-    common = dict(server_cfg=cfg, round_offset=round_offset, fraction_train=1.0, fraction_evaluate=1.0,
-                  min_train_nodes=cfg.min_nodes, min_evaluate_nodes=cfg.min_nodes,
+    """The strategy named by `cfg.strategy`. flwr samples every connected edge for the round's load
+    reports (`fraction_train` is applied by the balancer) and `fraction_evaluate` of them for evaluation;
+    `min_available_nodes` is what each round waits for."""
+    common = dict(server_cfg=cfg, round_offset=round_offset, fraction_train=1.0,
+                  fraction_evaluate=cfg.fraction_evaluate, min_train_nodes=1, min_evaluate_nodes=1,
                   min_available_nodes=cfg.min_nodes)
     if cfg.strategy == "fedprox":
         strategy: CollmRounds = CollmFedProx(proximal_mu=cfg.proximal_mu, **common)

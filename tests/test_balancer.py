@@ -173,3 +173,32 @@ def test_tokens_carried_between_rounds_count_toward_an_edges_cap():
     assert d["busy"].take_part and d["busy"].budget_tokens == 400 and "400 carried" in d["busy"].reason
     without = by_name(balance([LoadReport(**{**busy.__dict__, "carried_tokens": 0}), edge("idle")], P))
     assert not without["busy"].take_part
+
+
+# ------------------------------------------------------------------------------ partial participation
+def test_participants_wanted_counts_as_flower_does_with_a_floor():
+    from collm.server.balancer import participants_wanted
+
+    assert participants_wanted(10, 0.25, 1) == 2      # int(10 x 0.25)
+    assert participants_wanted(3, 0.2, 1) == 1        # the minimum
+    assert participants_wanted(2, 0.5, 3) == 2        # never more than are available
+    assert participants_wanted(5, 1.0, 1) == 5
+
+
+def test_choose_participants_rotates_and_skips_an_edge_too_busy_to_use_a_slot():
+    from collm.server.balancer import choose_participants
+
+    reports = [edge("a", spare=0.5), edge("b", spare=0.9), edge("c", spare=0.9, gain=3.0),
+               edge("busy", spare=0.001), edge("nodata", n=0)]
+    everyone, none_left = choose_participants(reports, P, 5, {})
+    assert everyone == reports and none_left == {}
+    # never trained first; among them the largest expected gain (gain x cap): c, then b, then a
+    chosen, left = choose_participants(reports, P, 2, {})
+    assert [r.name for r in chosen] == ["b", "c"]     # in the reports' order
+    assert set(left) == {"a", "busy", "nodata"} and "trained last never" in left["a"]
+    # c and b trained: a (never) comes first, then the one that trained longer ago
+    chosen, left = choose_participants(reports, P, 2, {"c": 2, "b": 1})
+    assert [r.name for r in chosen] == ["a", "b"] and "in round 2" in left["c"]
+    # busy (cap ~10 tokens < min_edge_tokens) and nodata go last, even though they never trained
+    chosen, _ = choose_participants(reports, P, 3, {"a": 3, "b": 3, "c": 3})
+    assert {r.name for r in chosen} == {"a", "b", "c"}

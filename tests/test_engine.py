@@ -489,3 +489,37 @@ def test_without_carry_the_replica_stops_training_at_the_rounds_end():
         assert eng.carried_tokens() == 0 and eng.snapshot().window.totals["train_tokens"] == tokens
     finally:
         eng.stop()
+
+
+def test_ffa_lora_trains_only_b_and_its_carry_keeps_a_frozen_too():
+    """FFA-LoRA (`freeze_a`): from a global whose B is non-zero (so A has a gradient), only B moves,
+    in the round's job and in the carry after it; without it A moves as well."""
+    eng = tiny_engine()
+    try:
+        start = random_adapter_state(eng, seed=4, scale=0.1)
+        a_keys = [k for k in start if "lora_A" in k]
+        free = eng.train(TrainBudget(tokens=150), global_state=start).result(timeout=120)
+        assert any(not torch.equal(free.adapter_state[k], start[k]) for k in a_keys)
+        frozen = eng.train(TrainBudget(tokens=150), global_state=start, carry=True, freeze_a=True).result(timeout=120)
+        assert frozen.steps >= 1
+        assert all(torch.equal(frozen.adapter_state[k], start[k]) for k in a_keys)
+        assert any(not torch.equal(frozen.adapter_state[k], start[k]) for k in start if "lora_B" in k)
+        _wait_for(lambda: eng.carried_tokens() > 0)
+        _wait_for(lambda: eng._carry.report.steps >= 1)
+        carried = eng.trainer.adapter.state_dict_peft()
+        assert all(torch.equal(carried[k], start[k]) for k in a_keys)
+    finally:
+        eng.stop()
+
+
+def test_dp_clipping_scales_the_update_to_the_norm_and_leaves_a_small_one_alone():
+    from collm.edge_client.federation.records import clipped_update
+
+    start = {"a": torch.zeros(3), "b": torch.ones(2)}
+    local = {"a": torch.tensor([3.0, 0.0, 0.0]), "b": torch.tensor([1.0, 5.0])}  # update (3, 0, 0, 0, 4): norm 5
+    out, norm = clipped_update(local, start, 1.0)
+    assert norm == pytest.approx(5.0)
+    torch.testing.assert_close(out["a"], torch.tensor([0.6, 0.0, 0.0]))
+    torch.testing.assert_close(out["b"], torch.tensor([1.0, 1.8]))
+    same, _ = clipped_update(local, start, 10.0)
+    assert all(torch.equal(same[k], local[k]) for k in local)

@@ -54,6 +54,8 @@ class FakeEdge:
     train_arrays: list[dict] = field(default_factory=list)
     keyed_reply: bool = False  # reply with one Array per tensor (an older edge) instead of packed
     refuses: bool = False  # its canary gate refuses every new global (it keeps serving the old one)
+    honours_freeze: bool = True  # under "lora-freeze-a" it leaves A as it was sent
+    clips: bool = True  # under "clipping_norm" it clips its update (DP), as the real edge does
     queries: int = 0
     evals: list[int] = field(default_factory=list)
 
@@ -93,7 +95,16 @@ def _train(msg: Message, context: Context) -> Message:
     edge.train_configs.append(cfg)
     edge.train_arrays.append({k: v.copy() for k, v in start.items()})
     scale = 100.0 if edge.scale_from_round and cfg["server-round"] >= edge.scale_from_round else 1.0
-    local = {k: (v + scale * edge.delta()).astype(np.float32) for k, v in start.items()}
+    frozen = cfg.get("lora-freeze-a") and edge.honours_freeze
+    local = {k: (v if frozen and "lora_A" in k else v + scale * edge.delta()).astype(np.float32)
+             for k, v in start.items()}
+    if "clipping_norm" in cfg and edge.clips:
+        from flwr.supercore.differential_privacy import compute_clip_model_update
+
+        keys = sorted(local)
+        mine = [local[k] for k in keys]
+        compute_clip_model_update(mine, [start[k] for k in keys], cfg["clipping_norm"])
+        local = {k: np.asarray(v, np.float32) for k, v in zip(keys, mine)}
     if edge.nan_update:
         first = next(iter(local))
         local[first][0, 0] = np.nan
@@ -413,6 +424,89 @@ def test_load_report_roundtrips_and_unknowns_parse_as_none():
     assert u.train_examples == 12 and u.train_tokens_per_s == 0.0
 
 
+# ------------------------------------------------------------------------------ federation options
+def test_fraction_train_rotates_participation_and_every_edge_still_evaluates(tmp_path):
+    grid = make_grid()
+    cfg = server_cfg(tmp_path, rounds=3, fraction_train=0.34, balancer={"target_attainment": None})
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=3, timeout=30)
+    trained = [[m.metadata.dst_node_id for m in grid.sent_of(MessageType.TRAIN, r)] for r in (1, 2, 3)]
+    # k = max(int(3 x 0.34), 1) = 1: never-trained edges first, the most spare capacity among them first
+    assert trained == [[101], [303], [202]]
+    assert all(e.evals == [1, 2, 3] for e in EDGES.values())  # fraction_evaluate 1: every edge serves each global
+    m2 = load_round(cfg.checkpoint_dir, 2).metrics
+    reasons = {d["edge"]: d["reason"] for d in m2["balancer"]}
+    assert reasons["idle"].startswith("not chosen: 1 of 3 edges train this round") and "in round 1" in reasons["idle"]
+    assert "trained last never" in reasons["busy"] and m2["kept"] == ["slow"]
+
+
+def test_fraction_evaluate_sends_each_global_to_that_share(tmp_path):
+    grid = make_grid()
+    cfg = server_cfg(tmp_path, rounds=2, fraction_evaluate=0.34)
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=2, timeout=30)
+    assert sorted(r for e in EDGES.values() for r in e.evals) == [1, 2]  # one edge per round evaluates
+    assert len(grid.sent_of(MessageType.TRAIN, 2)) == 2  # training is not reduced by it
+
+
+def test_ffa_lora_keeps_a_at_the_seeded_init_and_drops_an_update_that_moved_it(tmp_path):
+    grid = make_grid(slow={"attainment": 0.99, "honours_freeze": False})
+    cfg = server_cfg(tmp_path, rounds=2, lora_aggregation="ffa")
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=2, timeout=30)
+    assert all(m.content["config"]["lora-freeze-a"] == 1 for m in grid.sent_of(MessageType.TRAIN))
+    init = seeded_initial_adapter()
+    for r in (1, 2):
+        m = load_round(cfg.checkpoint_dir, r)
+        assert sorted(m.metrics["kept"]) == ["busy", "idle"]
+        assert "lora_aggregation ffa: the update changed" in m.metrics["dropped"]["slow"]
+        for k in KEYS:
+            if "lora_A" in k:
+                np.testing.assert_array_equal(m.arrays[k], init[k])  # A never moves: B·A averages exactly
+    b = next(k for k in KEYS if "lora_B" in k)
+    ck1 = load_round(cfg.checkpoint_dir, 1)
+    n = [ck1.metrics["train"][e]["num-examples"] for e in ("idle", "busy")]
+    want = fedavg([{b: init[b] + EDGES["idle"].delta()}, {b: init[b] + EDGES["busy"].delta()}], n)
+    np.testing.assert_allclose(ck1.arrays[b], want[b], rtol=1e-5, atol=1e-7)
+
+
+def test_dp_clips_averages_equally_adds_calibrated_noise_and_accounts_epsilon(tmp_path):
+    from collm.server.privacy import PrivacyLedger, Release
+
+    grid = make_grid(busy={"clips": False})  # clips nothing: caught from round 2 (round 1 has no global to measure)
+    cfg = server_cfg(tmp_path, rounds=2, dp={"clipping_norm": 0.1, "noise_multiplier": 1.0})
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=2, timeout=30)
+    assert all(m.content["config"]["clipping_norm"] == 0.1 for m in grid.sent_of(MessageType.TRAIN))
+    ck1, ck2 = load_round(cfg.checkpoint_dir, 1), load_round(cfg.checkpoint_dir, 2)
+    # round 1: idle's update is clipped to 0.1 (each of the d coordinates moves 0.1 / sqrt(d)); busy's is not
+    init = seeded_initial_adapter()
+    d = sum(v.size for v in init.values())
+    mean_delta = (0.1 / np.sqrt(d) + EDGES["busy"].delta()) / 2  # equal weights, not 140 : 60
+    residual = np.concatenate([(ck1.arrays[k] - init[k] - mean_delta).ravel() for k in KEYS])
+    p1 = ck1.metrics["privacy"]
+    assert p1["noise_std"] == pytest.approx(1.0 * 0.1 / 2) and p1["updates"] == 2
+    assert abs(residual.mean()) < 0.01 and 0.85 * 0.05 < residual.std() < 1.15 * 0.05
+    assert p1["epsilon"] == pytest.approx(PrivacyLedger(1e-5, [Release(1.0, 2)]).spent().epsilon)
+    # round 2: the unclipped update is dropped; one more release composes
+    assert ck2.metrics["kept"] == ["idle"] and "above clipping_norm 0.1" in ck2.metrics["dropped"]["busy"]
+    p2 = ck2.metrics["privacy"]
+    assert p2["noise_std"] == pytest.approx(0.1) and p2["releases"] == 2 and p2["epsilon"] > p1["epsilon"]
+    assert ck1.metrics["train"]["idle"]["num-examples"] == 140  # the edges' metrics are kept as reported
+
+
+def test_dp_stops_training_at_max_epsilon_and_a_resumed_run_continues_the_ledger(tmp_path):
+    from collm.server.privacy import PrivacyLedger, Release
+
+    one = PrivacyLedger(1e-5, [Release(1.0, 2)]).spent().epsilon
+    two = PrivacyLedger(1e-5, [Release(1.0, 2)] * 2).spent().epsilon
+    dp = {"clipping_norm": 0.1, "noise_multiplier": 1.0, "max_epsilon": (one + two) / 2}
+    cfg = server_cfg(tmp_path, rounds=1, dp=dp)
+    run(make_grid(), cfg)
+    assert load_round(cfg.checkpoint_dir, 1).metrics["privacy"]["epsilon"] == pytest.approx(one)
+    grid = make_grid()
+    run(grid, cfg.model_copy(update={"rounds": 2}))  # resumed: round 2 would pass max_epsilon
+    m2 = load_round(cfg.checkpoint_dir, 2).metrics
+    assert grid.sent_of(MessageType.TRAIN) == [] and m2["training_skipped"]
+    assert all(d["reason"].startswith("privacy budget: this round would bring epsilon to") for d in m2["balancer"])
+
+
 # ------------------------------------------------------------------------------ config
 def test_shipped_server_config_loads_and_builds():
     from collm.server.config import load_server_config
@@ -428,6 +522,10 @@ def test_shipped_server_config_loads_and_builds():
     ("strategy: fedsgd", "x.yaml: strategy: expected 'fedavg', 'fedprox' or 'fedadam', got 'fedsgd'"),
     ("robust: {norm: 3}", "x.yaml: robust.norm: unknown key (allowed here: norm_k)"),
     ("round_timeout_s: 60", "round_timeout_s (60) must be larger than balancer.round_deadline_s (120)"),
+    ("fraction_train: 0", "x.yaml: fraction_train: expected greater than 0, got 0"),
+    ("lora_aggregation: fedex", "x.yaml: lora_aggregation: expected 'separate' or 'ffa', got 'fedex'"),
+    ("dp: {noise_multiplier: 1.0}", "x.yaml: dp.clipping_norm: "),
+    ("{strategy: fedadam, dp: {clipping_norm: 1}}", "dp: works with strategy fedavg or fedprox"),
 ])
 def test_bad_server_config_is_a_one_line_user_error(tmp_path, monkeypatch, text, message):
     from collm.common.errors import UserError

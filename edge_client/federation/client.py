@@ -28,7 +28,7 @@ from flwr.clientapp import ClientApp
 
 from collm.common import protocol as P
 from collm.edge_client.federation.canary import canary_verdict
-from collm.edge_client.federation.records import to_arrays, to_state
+from collm.edge_client.federation.records import clipped_update, to_arrays, to_state
 from collm.edge_client.training.jobs import TrainBudget
 
 if TYPE_CHECKING:
@@ -120,7 +120,8 @@ class FederatedEdge:
         # a global the canary refused is trained from (the federation's round) but not served, not even as :local
         report = eng.train(budget, global_state=state, proximal_mu=float(cfg.get(P.PROXIMAL_MU, 0.0)),
                            lr=float(cfg[P.LR]) if P.LR in cfg else None,
-                           serve_local=(rnd - 1) not in self.refused, carry=True).result()
+                           serve_local=(rnd - 1) not in self.refused, carry=True,
+                           freeze_a=bool(cfg.get(P.FREEZE_A, 0))).result()
         with self.lock:
             self.rounds_trained += 1
             self.last_round = rnd
@@ -129,6 +130,10 @@ class FederatedEdge:
         log.info("edge %s: round %d: trained %d steps, %d tokens, loss %s, %.1f s%s", self.rt.cfg.name, rnd,
                  report.steps, report.tokens, None if report.loss is None else round(report.loss, 4),
                  time.time() - t0, " (deadline hit)" if report.deadline_hit else "")
+        update, extra = report.adapter_state, {}
+        if P.CLIPPING_NORM in cfg:  # DP: the update leaves this edge clipped (collm.server.privacy)
+            update, norm = clipped_update(update, state, float(cfg[P.CLIPPING_NORM]))
+            extra["update-norm"] = norm
         metrics = MetricRecord({
             P.NUM_EXAMPLES: int(report.sequences),
             "train-loss": _num(report.loss),
@@ -137,8 +142,9 @@ class FederatedEdge:
             "deadline-hit": int(report.deadline_hit),
             "seconds": float(report.seconds),
             "carried-tokens": int(report.extra.get("carried_tokens", 0)),
+            **extra,
         })
-        content = RecordDict({P.ARRAYS: to_arrays(report.adapter_state), P.METRICS: metrics,
+        content = RecordDict({P.ARRAYS: to_arrays(update), P.METRICS: metrics,
                               P.IDENTITY: self._identity()})
         return Message(content, reply_to=msg)
 

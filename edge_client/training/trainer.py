@@ -4,7 +4,10 @@ The engine decides *when* a unit runs (`engine.co_schedule`); this module decide
 training step computes, and it exists only here: a micro-batch is a `LayerwisePass` (forward and
 backward cut into layer units, exact gradients), its gradients are summed over
 `grad_accum_steps` micro-batches, divided by the answer tokens, clipped and applied by AdamW.
-FedProx adds `mu * (w - w_global)` to each gradient before the optimizer step. Warm-up times the
+FedProx adds `mu * (w - w_global)` to each gradient before the optimizer step. With `freeze_a`
+(FFA-LoRA, the server's `lora_aggregation: ffa`) only the B matrices take steps: A stays at the
+global's (every edge's identical seeded A), so the server's average of the B's is the exact
+average of the products B·A. Warm-up times the
 same pass (`LocalTrainer.measure`), so there is no second copy of the step to drift apart.
 
 Carry between rounds (`training.carry_between_rounds`): a round's update is sent at its deadline,
@@ -105,8 +108,10 @@ class LocalTrainer:
         return timed_units(self.new_pass(self.stream.peek(self.cfg.micro_batch_size)))
 
     def job(self, budget: TrainBudget, global_state: dict | None = None, proximal_mu: float = 0.0,
-            lr: float | None = None, serve_local: bool = True, carry_after: bool = False) -> TrainJob:
+            lr: float | None = None, serve_local: bool = True, carry_after: bool = False,
+            freeze_a: bool = False) -> TrainJob:
         job = TrainJob(self, budget, global_state, proximal_mu, lr)
+        job.freeze_a = freeze_a  # FFA-LoRA: only B is trained (see the module docstring)
         job.serve_local = serve_local  # False: this job's steps are not served as `:local` (e.g. a refused global)
         job.carry_after = carry_after  # True: the engine starts `carry(job)` when it ends
         return job
@@ -117,6 +122,7 @@ class LocalTrainer:
         cap = after.budget.tokens or self.cfg.default_round_tokens
         job = TrainJob(self, TrainBudget(tokens=cap), None, after.mu, after.lr)
         job.serve_local = after.serve_local
+        job.freeze_a = after.freeze_a
         job.base = after.report.adapter_state
         job.is_carry = True
         return job
@@ -135,6 +141,7 @@ class TrainJob(BackgroundJob):
         self.lr = lr
         self._anchor: list[torch.Tensor] | None = None
         self.serve_local = True
+        self.freeze_a = False
         self._pass: LayerwisePass | None = None
         self._grads: dict[int, torch.Tensor] = {}
         self._acc_seqs = 0
@@ -233,9 +240,10 @@ class TrainJob(BackgroundJob):
             self._grads.clear()
             return
         params = list(t.adapter.parameters())
+        frozen = {id(a) for a in t.adapter.a} if self.freeze_a else set()
         for i, p in enumerate(params):
             g = self._grads.get(id(p))
-            if g is None:
+            if g is None or id(p) in frozen:  # no grad: AdamW leaves it (and its weight decay) alone
                 continue
             p.grad = g / self._acc_tokens
             if self._anchor is not None:

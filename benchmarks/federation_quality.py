@@ -1,0 +1,156 @@
+"""Served holdout loss per edge after N rounds for each federation option, same token budget.
+
+Three edges on the bundled SmolLM2-135M-Instruct with the Dolly category groups of
+`configs/lab/edge*.yaml` (non-IID), in one process, as `adapter_quality.py` runs them: each round
+every edge trains `--tokens` tokens from the global on its engine (`Engine.train`, what a round
+runs), the server aggregates, and every edge evaluates the new global (what it then serves) on its
+own holdout split. The variants, each on fresh engines with the same seeds:
+
+* fedavg   A and B averaged separately, weighted by sequences (flwr's aggregation);
+* fedprox  the same with the proximal term (`proximal_mu` of configs/server.yaml);
+* ffa      FFA-LoRA: A frozen at the shared seeded init (`Engine.train(freeze_a=True)`), only B
+           trained and averaged, which is the exact average of the products B·A;
+* dp-zZ    fedavg under central DP: each update clipped on the edge (`clipped_update`, the edge's
+           function), equal weights, Gaussian noise z·C/n (`collm.server.privacy.noised`, the
+           server's), epsilon from Flower's RDP accountant (`PrivacyLedger`). C: `--clip`, default
+           the median update norm of fedavg's first round in this run (a convenience of the
+           benchmark: a real deployment fixes C without looking at the updates).
+
+No Flower transport and no HTTP (tests/test_federation_privacy.py runs the options through a real
+SuperLink). About 5 minutes per variant on 2 cores with the defaults.
+
+    python benchmarks/federation_quality.py --rounds 5 --tokens 1500
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from adapter_quality import edge_cfg  # noqa: E402  (the same three edges)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def aggregate(states: list[dict], weights: list[float]) -> dict:
+    """flwr's weighted average over keyed records (what the strategy's FedAvg runs)."""
+    from flwr.app import MetricRecord, RecordDict
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    from collm.common import wire
+    from collm.edge_client.federation.records import to_state
+
+    records = [RecordDict({"arrays": wire.keyed({k: v.numpy() for k, v in s.items()}),
+                           "metrics": MetricRecord({"num-examples": float(w)})}) for s, w in zip(states, weights)]
+    return to_state(aggregate_arrayrecords(records, "num-examples"))
+
+
+def run_variant(name: str, args, clip: float | None, z: float) -> dict:
+    import torch
+
+    from collm.edge_client.engine import Engine
+    from collm.edge_client.federation.records import clipped_update
+    from collm.edge_client.model.loading import load_model
+    from collm.edge_client.training.data import load_edge_data
+    from collm.edge_client.training.jobs import TrainBudget
+    from collm.server.config import ServerConfig
+    from collm.common.config import load_config
+    from collm.server.privacy import PrivacyLedger, Release, noised
+
+    mu = load_config(ServerConfig, ROOT / "configs" / "server.yaml").proximal_mu if name == "fedprox" else 0.0
+    freeze_a = name == "ffa"
+    dp = name.startswith("dp")
+    ledger = PrivacyLedger(1e-5)
+    cfgs = [edge_cfg(i, args.eval_records) for i in range(1, 4)]
+    engines = [Engine(load_model(c.model), c, load_edge_data(c.data)).start() for c in cfgs]
+    names = [e.cfg.name for e in engines]
+    pool = ThreadPoolExecutor(len(engines))
+    rows, norms = [], []
+    t0 = time.time()
+    try:
+        glob = engines[0].initial_state
+        base = list(pool.map(lambda e: e.evaluate(state=e.initial_state).result().loss, engines))
+        for r in range(1, args.rounds + 1):
+            start = glob
+            reports = list(pool.map(lambda e: e.train(TrainBudget(tokens=args.tokens), global_state=start,
+                                                      proximal_mu=mu, freeze_a=freeze_a).result(), engines))
+            updates = [rep.adapter_state for rep in reports]
+            round_norms = [float(torch.sqrt(sum(((u[k] - start[k]) ** 2).sum() for k in u))) for u in updates]
+            norms.append(round_norms)
+            if dp:
+                updates = [clipped_update(u, start, clip)[0] for u in updates]
+                glob = aggregate(updates, [1.0] * len(updates))
+                state, _ = noised({k: v.numpy() for k, v in glob.items()}, list(glob), z, clip, len(updates))
+                glob = {k: torch.from_numpy(v) for k, v in state.items()}
+                ledger.record(Release(z, len(updates)))
+            else:
+                glob = aggregate(updates, [max(rep.sequences, 1) for rep in reports])
+            losses = list(pool.map(lambda e: e.evaluate(state=glob).result().loss, engines))
+            spent = ledger.spent(population=len(engines)) if dp else None
+            rows.append({"round": r, "loss": dict(zip(names, losses)), "update_norms": round_norms,
+                         "epsilon": spent.epsilon if spent else None})
+            print(f"  {name} round {r} ({time.time() - t0:.0f} s): " + ", ".join(
+                f"{n} {v:.4f}" for n, v in zip(names, losses)) + f"; update norms {[round(x, 3) for x in round_norms]}"
+                + (f"; epsilon {spent.epsilon:.1f}" if spent else ""), flush=True)
+    finally:
+        for e in engines:
+            e.stop()
+    return {"variant": name, "base": dict(zip(names, base)), "rounds": rows, "clip": clip if dp else None,
+            "noise_multiplier": z if dp else None, "wall_s": time.time() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=1500, help="training tokens per edge and round")
+    ap.add_argument("--eval-records", type=int, default=16, help="holdout records per evaluation")
+    ap.add_argument("--variants", default="fedavg,fedprox,ffa,dp-z1.0",
+                    help="comma-separated: fedavg, fedprox, ffa, dp-z<noise multiplier> (e.g. dp-z0.1)")
+    ap.add_argument("--clip", type=float, help="DP clipping norm (default: median of fedavg's round-1 update norms)")
+    ap.add_argument("--out", default="runs/federation_quality.json")
+    args = ap.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in ("fedavg", "fedprox", "ffa") and not v.startswith("dp-z"):
+            ap.error(f"--variants: unknown variant {v!r}")
+    if any(v.startswith("dp") for v in variants) and args.clip is None and "fedavg" not in variants:
+        ap.error("--clip is needed when fedavg (whose round-1 norms give the default) is not among --variants")
+    # fedavg first: its norms give the default clipping norm
+    variants.sort(key=lambda v: (v != "fedavg", v.startswith("dp")))
+
+    t_start = time.time()
+    results, clip = [], args.clip
+    for v in variants:
+        z = float(v[4:]) if v.startswith("dp-z") else 0.0
+        print(f"{v}:", flush=True)
+        res = run_variant(v, args, clip, z)
+        results.append(res)
+        if v == "fedavg" and clip is None:
+            clip = statistics.median(res["rounds"][0]["update_norms"])
+            print(f"  DP clipping norm: {clip:.4g} (median fedavg round-1 update norm)", flush=True)
+
+    names = list(results[0]["base"])
+    print(f"\nholdout loss per edge after round {args.rounds} (same {args.tokens} tokens per edge and round)\n")
+    print("| variant | " + " | ".join(names) + " | mean | epsilon |\n|---" * 1 + "|---" * (len(names) + 2) + "|")
+    print("| base (no LoRA) | " + " | ".join(f"{results[0]['base'][n]:.4f}" for n in names)
+          + f" | {statistics.mean(results[0]['base'].values()):.4f} | - |")
+    for res in results:
+        last = res["rounds"][-1]
+        eps = f"{last['epsilon']:.1f}" if last["epsilon"] is not None else "-"
+        label = res["variant"] + (f" (C {res['clip']:.3g})" if res["clip"] else "")
+        print(f"| {label} | " + " | ".join(f"{last['loss'][n]:.4f}" for n in names)
+              + f" | {statistics.mean(last['loss'].values()):.4f} | {eps} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "results": results, "wall_s": time.time() - t_start}, indent=1))
+    print(f"\nwrote {out} ({time.time() - t_start:.0f} s)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
