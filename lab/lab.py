@@ -16,6 +16,11 @@ only half of them after round 1); with `--restart-edges` the lab starts it again
 restarted edge serves the latest global adapter (read from the checkpoints) before it reports
 ready to the router.
 
+Churn on purpose: `--join edge2@2` starts edge2 only while round 1 trains, so it is connected for
+round 2 (it serves the latest global from the checkpoints, then each new one from the federation);
+`--leave edge1@3` stops edge1 (SIGTERM) when round 3's training starts, and the round completes
+without it. Both repeat; the router lists every edge and sends requests only to those that are up.
+
 With `--tls` the Flower traffic is TLS with SuperNode authentication, as in the Compose security
 profile: it makes a CA, the SuperLink's certificate and one ECDSA key pair per edge in
 `--out`/certs (`collm.lab.certs`), starts the SuperLink with `--ssl-*` and
@@ -40,6 +45,7 @@ from collm.common.config import dump_config, load_config
 from collm.common.data import categories, load_records, partition_by_category
 from collm.common.errors import UserError, cli_entry
 from collm.common.procs import BIN_DIR, usable_cpus
+from collm.common.rounds import read_status
 from collm.edge_client.config import EdgeConfig
 from collm.lab.certs import make_certs, register_nodes
 from collm.lab.loadgen import BackgroundLoad, Planned
@@ -90,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send the load through collm-router (default) or straight to the edges")
     p.add_argument("--restart-edges", action="store_true", help="start an edge that died again (it catches up "
                    "to the latest global adapter before it serves)")
+    p.add_argument("--join", action="append", default=[], metavar="EDGE@ROUND",
+                   help="start EDGE late, connected for ROUND (2 or later); repeatable")
+    p.add_argument("--leave", action="append", default=[], metavar="EDGE@ROUND",
+                   help="stop EDGE when ROUND's training starts; repeatable")
     p.add_argument("--out", default="runs/lab")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier lab run's results in --out")
     p.add_argument("--cache-dir", help="model cache (default: the edge config's)")
@@ -100,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def server_config(args, out: Path, edges: list[EdgeConfig]) -> ServerConfig:
     """The ServerApp's config: --server-config with what the lab decides (rounds, edges, paths)."""
-    overrides: dict = {"rounds": args.rounds, "checkpoint_dir": str(out / "checkpoints"), "min_nodes": args.edges,
-                       "min_round_nodes": max(1, (args.edges + 1) // 2), "base_model_name": BASE_MODEL_NAMES[args.model],
+    at_start = args.edges - len(getattr(args, "joins", {}))
+    overrides: dict = {"rounds": args.rounds, "checkpoint_dir": str(out / "checkpoints"), "min_nodes": at_start,
+                       "min_round_nodes": max(1, (at_start + 1) // 2), "base_model_name": BASE_MODEL_NAMES[args.model],
                        "lora": edges[0].lora.model_dump(), "balancer": {}}
     if args.strategy:
         overrides["strategy"] = args.strategy
@@ -111,6 +122,31 @@ def server_config(args, out: Path, edges: list[EdgeConfig]) -> ServerConfig:
     if args.round_tokens:
         overrides["balancer"]["round_token_budget"] = args.round_tokens
     return load_config(ServerConfig, args.server_config, overrides)
+
+
+def check_churn(args) -> tuple[dict[str, int], dict[str, int]]:
+    """--join and --leave as {edge: round} each, or a UserError naming the bad value."""
+    names = [f"edge{i}" for i in range(args.edges)]
+    joins, leaves = {}, {}
+    for flag, specs, first, table in (("--join", args.join, 2, joins), ("--leave", args.leave, 1, leaves)):
+        for spec in specs:
+            name, _, rnd = spec.partition("@")
+            if name not in names:
+                raise UserError(f"{flag} {spec}: no edge named {name!r} (with --edges {args.edges}: {', '.join(names)})")
+            if not rnd.isdigit() or not first <= int(rnd) <= args.rounds:
+                raise UserError(f"{flag} {spec}: give EDGE@ROUND with ROUND from {first} to --rounds {args.rounds}")
+            if name in table:
+                raise UserError(f"{flag}: {name} is named twice")
+            table[name] = int(rnd)
+    for name in set(joins) & set(leaves):
+        if leaves[name] <= joins[name]:
+            raise UserError(f"--leave {name}@{leaves[name]}: it joins at round {joins[name]}; leave later than that")
+    if len(joins) >= args.edges:
+        raise UserError(f"--join: at least one of the {args.edges} edges must be there from the start")
+    if (joins or leaves) and not args.router:
+        raise UserError("--join/--leave need the router (it sends requests only to the edges that are up); "
+                        "drop --no-router")
+    return joins, leaves
 
 
 def check_args(args) -> None:
@@ -123,6 +159,7 @@ def check_args(args) -> None:
         raise UserError(f"--load {args.load:g}: requests per second cannot be negative")
     if args.round_deadline is not None and args.round_deadline <= 0:
         raise UserError(f"--round-deadline {args.round_deadline:g}: give a positive number of seconds")
+    args.joins, args.leaves = check_churn(args)
     if not Path(args.server_config).is_file():
         raise UserError(f"--server-config {args.server_config}: file not found")
     load_config(ServerConfig, args.server_config)  # a bad server config is one line here
@@ -159,13 +196,17 @@ def main(argv: list[str] | None = None) -> int:
             for name, (node_id, _) in register_nodes(superlink, certs["ca"], pubs, wait_s=10).items():
                 print(f"[lab] TLS + SuperNode auth: {name} registered as node {node_id} "
                       f"(key {certs[name]})", flush=True)
+        joins, leaves = args.joins, args.leaves
         for e in edges:
-            group.spawn(e.name, [str(BIN_DIR / "collm-edge"), "--config", str(paths[e.name])])
+            if e.name not in joins:
+                group.spawn(e.name, [str(BIN_DIR / "collm-edge"), "--config", str(paths[e.name])])
         urls = {e.name: edge_url(e) for e in edges}
         for e in edges:
-            print(f"[lab] {e.name}: {urls[e.name]}  categories={e.data.categories}", flush=True)
+            late = f"  (joins for round {joins[e.name]})" if e.name in joins else ""
+            print(f"[lab] {e.name}: {urls[e.name]}  categories={e.data.categories}{late}", flush=True)
         for name, url in urls.items():
-            wait_http(url + "/health", group, 600 if args.model == "bundled" else 120, f"edge {name}")
+            if name not in joins:
+                wait_http(url + "/health", group, 600 if args.model == "bundled" else 120, f"edge {name}")
         group.expendable.update(urls)  # from now on an edge that dies is reported, not fatal
         targets = list(urls.values())
         if args.router:
@@ -185,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         server_tls = ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
         server = group.spawn("server", [str(BIN_DIR / "collm-server"), *server_tls, "--superlink", superlink,
                                         "-c", f'config="{out / "server.yaml"}"'], nice=COORDINATOR_NICE)
-        events = _follow(group, server, paths, args.restart_edges, server_cfg.nodes_after_first_round)
+        schedule = Churn(joins, leaves, out / "checkpoints")
+        events = _follow(group, server, paths, args.restart_edges, server_cfg.nodes_after_first_round, schedule)
         outcomes = [o for load in loads for o in load.stop()]
         rc = server.returncode
         report = {"server_exit": rc, "wall_s": round(time.time() - t_start, 1), "edge_events": events,
@@ -234,11 +276,37 @@ def interrupt_on_signal(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _follow(group: ProcessGroup, server, edge_paths: dict[str, Path], restart: bool, min_edges: int) -> list[dict]:
+class Churn:
+    """When the lab starts and stops edges on purpose (--join, --leave), from the strategy's round status."""
+
+    def __init__(self, joins: dict[str, int], leaves: dict[str, int], checkpoint_dir: Path):
+        self.joins, self.leaves, self.checkpoint_dir = dict(joins), dict(leaves), checkpoint_dir
+
+    def due(self) -> tuple[list[str], list[str]]:
+        """(edges to start now, edges to stop now), each returned once: a joining edge starts once
+        the round before its own has begun training, a leaving one stops once its round has."""
+        begun = int((read_status(self.checkpoint_dir) or {}).get("round", 0))  # the last round that began training
+        start = [n for n, j in self.joins.items() if begun >= j - 1]
+        stop = [n for n, leave in self.leaves.items() if begun >= leave]
+        for n in start:
+            del self.joins[n]
+        for n in stop:
+            del self.leaves[n]
+        return start, stop
+
+    def expected(self, edges) -> set[str]:
+        """The edges that should be running now."""
+        return {n for n in edges if n not in self.joins}
+
+
+def _follow(group: ProcessGroup, server, edge_paths: dict[str, Path], restart: bool, min_edges: int,
+            churn: Churn | None = None) -> list[dict]:
     """Echo the ServerApp's log (rounds, balancer decisions, the loss table) until it exits; meanwhile
-    report an edge that dies, and restart it if asked. Returns what happened to the edges."""
+    start and stop edges as --join/--leave ask, report an edge that dies, and restart it if asked.
+    Returns what happened to the edges."""
     path = group.log_path("server")
-    pos, events, reported = 0, [], set()
+    pos, events, reported, left = 0, [], set(), set()
+    churn = churn or Churn({}, {}, Path("/nonexistent"))
     while True:
         time.sleep(0.5)
         text = path.read_text(errors="replace") if path.is_file() else ""
@@ -251,6 +319,16 @@ def _follow(group: ProcessGroup, server, edge_paths: dict[str, Path], restart: b
             sys.stdout.write(text[pos:])
             return events
         group.check_alive(ignore=("server",))
+        joining, leaving = churn.due()
+        for name in joining:
+            group.spawn(name, [str(BIN_DIR / "collm-edge"), "--config", str(edge_paths[name])], expendable=True)
+            events.append({"edge": name, "joined": True, "at": time.time()})
+            print(f"[lab] {name} joins: started; it serves the latest global adapter once it is ready", flush=True)
+        for name in leaving:
+            rc = group.retire(name)
+            left.add(name)
+            events.append({"edge": name, "left": True, "exited": rc, "at": time.time()})
+            print(f"[lab] {name} leaves: stopped (status {rc}); the round goes on without it", flush=True)
         for name, rc in group.casualties():
             if name in reported:
                 continue
@@ -262,7 +340,7 @@ def _follow(group: ProcessGroup, server, edge_paths: dict[str, Path], restart: b
                 events.append({"edge": name, "restarted": True, "at": time.time()})
                 reported.discard(name)
                 print(f"[lab] {name} restarted: it serves the latest global adapter once it is ready", flush=True)
-        alive = sum(1 for n in edge_paths if (p := group.get(n)) is not None and p.poll() is None)
+        alive = sum(1 for n in churn.expected(edge_paths) - left if (p := group.get(n)) is not None and p.poll() is None)
         if alive < min_edges:
             raise UserError(f"only {alive} of {len(edge_paths)} edges are left, fewer than the {min_edges} each round "
                             "needs; pass --restart-edges to restart edges that die")

@@ -108,6 +108,25 @@ class ProcessGroup:
         """(name, exit status) of the expendable processes that have exited."""
         return [(n, p.returncode) for n, p in self.procs if n in self.expendable and p.poll() is not None]
 
+    def retire(self, name: str, grace_s: float = 30.0) -> int | None:
+        """Stop one process as on shutdown (SIGTERM, SIGKILL after `grace_s`) and forget it: an edge
+        leaving the fleet on purpose is neither a casualty nor restarted. Returns its exit status."""
+        p = self.get(name)
+        if p is None:
+            return None
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(grace_s)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        self.procs = [(n, q) for n, q in self.procs if n != name]
+        self.expendable.discard(name)
+        return p.returncode
+
     def check_alive(self, ignore: tuple[str, ...] = ()) -> None:
         for name, p in self.procs:
             if p.poll() is not None and name not in ignore and name not in self.expendable:

@@ -82,6 +82,7 @@ class CollmRounds:
         self._node_names: dict[int, str] = {}     # last name each node reported
         self._norm_history: deque[float] = deque(maxlen=8)  # update norms the last rounds kept
         self._last_trained: dict[str, int] = {}   # edge -> last round it was sent a TRAIN message
+        self._outbox: list[Message] = []          # the instructions of the current phase (`_node_of`)
         dp = server_cfg.dp
         self.privacy = PrivacyLedger(dp.target_delta) if dp is not None else None
 
@@ -150,17 +151,28 @@ class CollmRounds:
         """Edge name per replying node: the reported one, else the last one known, else node-<id>."""
         names = {}
         for m in replies:
-            nid = m.metadata.src_node_id
+            nid = self._node_of(m)
             names[nid] = edge_name(m) or self._node_names.get(nid) or f"node-{nid}"
         self._node_names.update(names)
         return _unique_names(names)
+
+    def _node_of(self, m: Message) -> int:
+        """The node a reply is about: its sender, or, for an error the SuperLink answers on a node's
+        behalf (Node Unavailable: an edge that left), the node the instruction went to."""
+        reply_to = m.metadata.reply_to_message_id
+        for sent in self._outbox:  # their message ids are set once the grid has pushed them
+            if reply_to and sent.metadata.message_id == reply_to:
+                return sent.metadata.dst_node_id
+        return m.metadata.src_node_id
 
     # ------------------------------------------------------------------------------ train
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         r = self.real_round(server_round)
         if server_round > 1:  # after the first round, continue with the edges that remain
-            self.min_available_nodes = self.server_cfg.nodes_after_first_round
+            n = self.server_cfg.nodes_after_first_round
+            self.min_available_nodes = self.min_train_nodes = n
+            self.min_evaluate_nodes = n if self.server_cfg.fraction_evaluate >= 1 else 1
         if r - 1 in self.history and not self.history[r - 1]["kept"]:
             # the last round changed nothing (every edge busy): give the edges a while before asking again
             time.sleep(self.server_cfg.balancer.idle_wait_s)
@@ -208,6 +220,7 @@ class CollmRounds:
             rec["training_skipped"] = "no edge takes part (see balancer reasons)"
             log(WARNING, "round %d: no edge takes part, so no training this round; the global adapter "
                 "stays as it is", r)
+        self._outbox = messages
         return messages
 
     def _decide(self, reports: list[LoadReport]) -> dict[str, Decision]:
@@ -235,12 +248,13 @@ class CollmRounds:
         """Fresh load reports by node id, and why the nodes without one have none."""
         queries = [Message(RecordDict({P.CONFIG: ConfigRecord({P.SERVER_ROUND: r})}),
                            dst_node_id=nid, message_type=MessageType.QUERY) for nid in node_ids]
+        self._outbox = queries
         replies = list(grid.send_and_receive(queries, timeout=self.server_cfg.query_timeout_s))
         names = self._names_of(replies)
         reports: dict[int, LoadReport] = {}
         missing = {nid: f"no load report within {self.server_cfg.query_timeout_s:g} s" for nid in node_ids}
         for rep in replies:
-            nid = rep.metadata.src_node_id
+            nid = self._node_of(rep)
             if rep.has_error():
                 missing[nid] = f"load report failed: {rep.error.reason}"
             elif P.REPORT not in rep.content.metric_records:
@@ -264,7 +278,7 @@ class CollmRounds:
         names = self._names_of(replies)
         updates, candidates = [], []
         for m in replies:
-            name = names[m.metadata.src_node_id]
+            name = names[self._node_of(m)]
             if m.has_error():
                 rec["train"][name] = {"error": m.error.reason}
                 rec["dropped"][name] = f"error reply: {m.error.reason}"
@@ -386,7 +400,8 @@ class CollmRounds:
             log(INFO, "round %d: the global adapter did not change; no evaluation, the edges keep "
                 "serving what they serve", r)
             return []
-        return super().configure_evaluate(r, wire.pack_record(arrays), config, grid)
+        self._outbox = list(super().configure_evaluate(r, wire.pack_record(arrays), config, grid))
+        return self._outbox
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         r = self.real_round(server_round)
@@ -395,7 +410,7 @@ class CollmRounds:
         names = self._names_of(replies)
         usable = []
         for m in replies:
-            name = names[m.metadata.src_node_id]
+            name = names[self._node_of(m)]
             if m.has_error():
                 rec["eval"][name] = {"error": m.error.reason}
                 log(WARNING, "round %d: evaluation on %s failed: %s", r, name, m.error.reason)
@@ -496,10 +511,12 @@ class CollmFedAdam(CollmRounds, FedAdam):
 def build_strategy(cfg: ServerConfig, round_offset: int = 0,
                    server_state: dict[str, dict[str, np.ndarray]] | None = None) -> CollmRounds:
     """The strategy named by `cfg.strategy`. flwr samples every connected edge for the round's load
-    reports (`fraction_train` is applied by the balancer) and `fraction_evaluate` of them for evaluation;
-    `min_available_nodes` is what each round waits for."""
+    reports (`fraction_train` is applied by the balancer) and `fraction_evaluate` of them for evaluation.
+    flwr counts its sample before it waits for `min_available_nodes`, so its minimum for a sample
+    (min_train_nodes, and min_evaluate_nodes while every edge evaluates) is the number waited for."""
     common = dict(server_cfg=cfg, round_offset=round_offset, fraction_train=1.0,
-                  fraction_evaluate=cfg.fraction_evaluate, min_train_nodes=1, min_evaluate_nodes=1,
+                  fraction_evaluate=cfg.fraction_evaluate, min_train_nodes=cfg.min_nodes,
+                  min_evaluate_nodes=cfg.min_nodes if cfg.fraction_evaluate >= 1 else 1,
                   min_available_nodes=cfg.min_nodes)
     if cfg.strategy == "fedprox":
         strategy: CollmRounds = CollmFedProx(proximal_mu=cfg.proximal_mu, **common)

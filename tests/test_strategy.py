@@ -56,6 +56,7 @@ class FakeEdge:
     refuses: bool = False  # its canary gate refuses every new global (it keeps serving the old one)
     honours_freeze: bool = True  # under "lora-freeze-a" it leaves A as it was sent
     clips: bool = True  # under "clipping_norm" it clips its update (DP), as the real edge does
+    gone_for: tuple = ()  # message types the SuperLink answers for it with Node Unavailable (it left)
     queries: int = 0
     evals: list[int] = field(default_factory=list)
 
@@ -158,6 +159,13 @@ class LocalGrid(Grid):
             mid = str(uuid4())
             m.metadata.__dict__["_message_id"] = mid
             self.sent.append(m)
+            if m.metadata.message_type in self.edges[m.metadata.dst_node_id].gone_for:
+                # what the SuperLink sends when the node stopped heartbeating: from the SuperLink (node 1)
+                reply = Message(Error(code=5, reason="Error: Node Unavailable"), reply_to=m)
+                reply.metadata.__dict__["_src_node_id"] = 1
+                self._replies[mid] = reply
+                ids.append(mid)
+                continue
             try:
                 self._replies[mid] = client_app(m, self.contexts[m.metadata.dst_node_id])
             except Exception as e:  # what a SuperNode sends back when the ClientApp raises
@@ -505,6 +513,16 @@ def test_dp_stops_training_at_max_epsilon_and_a_resumed_run_continues_the_ledger
     m2 = load_round(cfg.checkpoint_dir, 2).metrics
     assert grid.sent_of(MessageType.TRAIN) == [] and m2["training_skipped"]
     assert all(d["reason"].startswith("privacy budget: this round would bring epsilon to") for d in m2["balancer"])
+
+
+def test_an_edge_that_left_is_named_in_the_round_and_the_round_completes(tmp_path):
+    grid = make_grid(busy={"gone_for": (MessageType.TRAIN, MessageType.EVALUATE)})
+    cfg = server_cfg(tmp_path, rounds=1)
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=1, timeout=30)
+    m = load_round(cfg.checkpoint_dir, 1).metrics
+    assert m["kept"] == ["idle"]
+    assert m["dropped"]["busy"] == "error reply: Error: Node Unavailable"     # not "node-1"
+    assert m["eval"]["busy"] == {"error": "Error: Node Unavailable"} and set(m["eval"]) == {"idle", "busy", "slow"}
 
 
 # ------------------------------------------------------------------------------ config
