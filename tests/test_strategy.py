@@ -7,6 +7,7 @@ The fake edges are real `ClientApp`s that follow the message protocol in
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from uuid import uuid4
 
@@ -533,6 +534,20 @@ def test_shipped_server_config_loads_and_builds():
     assert cfg.strategy == "fedavg" and cfg.round_timeout_s > cfg.balancer.round_deadline_s
     assert load_server_config({"rounds": 7, "strategy": "fedadam"}).rounds == 7
     assert isinstance(build_strategy(load_server_config({"strategy": "fedadam"})), CollmFedAdam)
+
+
+def test_the_commented_dp_example_in_the_shipped_config_is_valid(tmp_path):
+    import re
+
+    from collm.server.config import load_server_config
+
+    text = (Path(__file__).resolve().parents[1] / "configs" / "server.yaml").read_text()
+    uncommented = re.sub(r"^# ((?:dp|min_round_nodes):|  \w+:)", r"\1", text, flags=re.M)
+    assert uncommented != text
+    (tmp_path / "dp.yaml").write_text(uncommented)
+    cfg = load_server_config({"config": str(tmp_path / "dp.yaml")})
+    assert cfg.dp is not None and cfg.dp.clipping_norm == 1.0 and cfg.dp.max_epsilon == 10
+    assert cfg.min_round_nodes == 1
 
 
 @pytest.mark.parametrize("text, message", [
