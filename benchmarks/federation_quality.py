@@ -137,7 +137,8 @@ def main() -> None:
 
     names = list(results[0]["base"])
     print(f"\nholdout loss per edge after round {args.rounds} (same {args.tokens} tokens per edge and round)\n")
-    print("| variant | " + " | ".join(names) + " | mean | epsilon |\n|---" * 1 + "|---" * (len(names) + 2) + "|")
+    print("| variant | " + " | ".join(names) + " | mean | epsilon |")
+    print("|---" * (len(names) + 3) + "|")
     print("| base (no LoRA) | " + " | ".join(f"{results[0]['base'][n]:.4f}" for n in names)
           + f" | {statistics.mean(results[0]['base'].values()):.4f} | - |")
     for res in results:

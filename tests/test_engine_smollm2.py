@@ -78,5 +78,10 @@ def test_the_canary_gate_refuses_a_bad_global_and_serves_a_good_one(smollm2_lm, 
         assert refused2 is None and engine.shadow.current_version == 2 and report2.loss < report.loss
         assert engine.shadow.info_of(2).eval_loss == report2.loss
         assert engine.generate(ids, params).record.adapter_version == 2
+
+        # a global that first arrives in a TRAIN message (this edge missed its evaluation) is gated too
+        edge.adopt_global(to_arrays(bad), 3)
+        assert 3 in edge.refused and engine.shadow.current_version == 2
+        assert engine.generate(ids, params).record.adapter_version == 2
     finally:
         engine.stop()

@@ -8,8 +8,9 @@
             canary gate passes it (`canary.py`, `adapters.canary_margin`; off: swap first, then
             evaluate), and report its holdout loss and whether it was refused.
 
-Both handlers swap through `adopt_global`, the one place a global adapter becomes the served one; a
-global the gate refused is never served, not even when a later TRAIN message carries it again.
+Both handlers swap through the canary gate (`evaluate_global`, `adopt_global`); a global the gate
+refused is never served, not even when a later TRAIN message carries it again, and one that first
+arrives in a TRAIN message is gated there.
 `EdgeFederation(runtime)` is the service `collm-edge` attaches to its runtime: the handlers plus a
 `SuperNodeExecutor` that runs them in-process. The module's `app` exists so the Flower app bundle
 names a ClientApp; it runs on whichever edge `bind` chose.
@@ -83,13 +84,20 @@ class FederatedEdge:
             carried_tokens=self.rt.engine.carried_tokens())
 
     def adopt_global(self, arrays: ArrayRecord, version: int) -> dict | None:
-        """Serve the global adapter of round `version` unless this edge already serves it (or newer);
-        returns its state (None for an empty record: round 1 starts from the seeded initial adapter)."""
+        """Serve the global adapter of round `version` unless this edge already serves it (or newer)
+        or the canary gate refuses it; returns its state (None for an empty record: round 1 starts
+        from the seeded initial adapter). A TRAIN message carries a global this edge has not seen
+        when it missed that round's evaluation (`fraction_evaluate` < 1, or it joined or restarted):
+        it is gated here as it would have been there."""
         if not len(arrays):
             return None
         state = to_state(arrays)
-        if version > 0 and version not in self.refused:
-            self.rt.publish(state, version, round=version)  # the shadow swap: new requests get it
+        margin = self.rt.cfg.adapters.canary_margin
+        if version > 0 and version not in self.refused and version > self.rt.engine.shadow.latest_version:
+            if margin is None:
+                self.rt.publish(state, version, round=version)  # the shadow swap: new requests get it
+            else:
+                self._canary(state, version, margin)  # serves it only if it passes
         return state
 
     def gain_per_ktok(self) -> float | None:
