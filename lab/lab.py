@@ -16,6 +16,12 @@ only half of them after round 1); with `--restart-edges` the lab starts it again
 restarted edge serves the latest global adapter (read from the checkpoints) before it reports
 ready to the router.
 
+With `--keys` the HTTP APIs need keys, generated for this run into `--out`/keys (mode 0600):
+`client.key` for `/v1/*` (the router checks it; the edges accept it too), the router's own key
+towards the edges (`router.key`), and `admin.key` for each edge's `/admin/*`, which is then on
+(adapter loads confined to the lab's checkpoints). Without a key nothing but `/health` and
+`/metrics` answers; the keys are never printed, only where they are.
+
 Churn on purpose: `--join edge2@2` starts edge2 only while round 1 trains, so it is connected for
 round 2 (it serves the latest global from the checkpoints, then each new one from the federation);
 `--leave edge1@3` stops edge1 (SIGTERM) when round 3's training starts, and the round completes
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import signal
 import sys
 import threading
@@ -58,13 +65,29 @@ PROMPTS = ["What is the capital of France?", "Give me three tips for a good nigh
            "What is a good name for a black cat?", "Classify: apple, carrot, banana - which is a vegetable?"]
 
 
+def make_keys(d: Path) -> dict[str, Path]:
+    """This run's keys, one file each (mode 0600): client (for /v1/*), router (its key towards the
+    edges), admin (for /admin/*), and edge-api.keys (the two keys an edge accepts on /v1/*)."""
+    d.mkdir(parents=True, exist_ok=True)
+    keys = {name: f"collm-{name}-{secrets.token_urlsafe(24)}" for name in ("client", "router", "admin")}
+    paths = {}
+    for name, text in [*keys.items(), ("edge-api", f"{keys['client']}\n{keys['router']}")]:
+        path = d / f"{name}.key{'s' if name == 'edge-api' else ''}"
+        path.touch(mode=0o600)
+        path.chmod(0o600)
+        path.write_text(text + "\n")
+        paths[name] = path
+    return paths
+
+
 def lab_edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: str | None = None,
-                     certs: dict[str, Path] | None = None) -> list[EdgeConfig]:
+                     certs: dict[str, Path] | None = None, keys: dict[str, Path] | None = None) -> list[EdgeConfig]:
     """One config per edge: own name, ports, Dolly categories (non-IID) and state dir; the N edges
     share this machine's cores (oversubscribed torch threads spin and stall each other).
 
     With `certs` (from `make_certs`), each edge talks TLS to the SuperLink and signs in with its
-    own key, `certs[name]`. Every edge catches up from the lab's checkpoints when it (re)starts."""
+    own key, `certs[name]`. With `keys` (from `make_keys`), /v1/* needs a key and /admin/* (on) the admin
+    token. Every edge catches up from the lab's checkpoints when it (re)starts."""
     parts = partition_by_category(load_records(), n)
     threads = max(1, len(usable_cpus()) // n)
     configs = []
@@ -74,6 +97,9 @@ def lab_edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: s
         if certs:
             fed.update({"insecure": False, "root_certificates": str(certs["ca"]), "auth_private_key": str(certs[name])})
         overrides = {"federation": fed, "model": {"threads": threads}}
+        if keys:
+            overrides["auth"] = {"api_keys": {"file": str(keys["edge-api"])}, "admin_tokens": {"file": str(keys["admin"])}}
+            overrides["api"] = {"admin": True, "adapter_dir": str(out / "checkpoints")}
         if cache_dir:
             overrides["model"]["cache_dir"] = cache_dir
         configs.append(edge_config(model, name, out, categories=categories(part), superlink=superlink,
@@ -103,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/lab")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier lab run's results in --out")
     p.add_argument("--cache-dir", help="model cache (default: the edge config's)")
+    p.add_argument("--keys", action="store_true", help="require API keys (generated into OUT/keys) for /v1/* "
+                   "and an admin token for the edges' /admin/* (then on)")
     p.add_argument("--tls", action="store_true", help="TLS to the SuperLink and SuperNode authentication: "
                    "certificates and edge keys in OUT/certs, each edge's key registered before it starts")
     return p
@@ -174,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     out = prepare_out(Path(args.out), args.overwrite)
     superlink = f"127.0.0.1:{free_port()}"
     certs = make_certs(out / "certs", [f"edge{i}" for i in range(args.edges)]) if args.tls else None
-    edges = lab_edge_configs(args.model, args.edges, superlink, out, args.cache_dir, certs)
+    keys = make_keys(out / "keys") if args.keys else None
+    client_key = keys["client"].read_text().strip() if keys else None
+    auth = {"Authorization": f"Bearer {client_key}"} if keys else {}
+    edges = lab_edge_configs(args.model, args.edges, superlink, out, args.cache_dir, certs, keys)
     server_cfg = server_config(args, out, edges)
     (out / "server.yaml").write_text(dump_config(server_cfg))
     paths = {e.name: write_config(out / f"{e.name}.yaml", e) for e in edges}
@@ -213,13 +244,18 @@ def main(argv: list[str] | None = None) -> int:
             router_port = free_port()
             rcfg = {"api": {"host": "127.0.0.1", "port": router_port},
                     "edges": [{"name": n, "url": u} for n, u in urls.items()]}
+            if keys:
+                rcfg.update(auth={"api_keys": {"file": str(keys["client"])}}, edge_key={"file": str(keys["router"])})
             (out / "router.yaml").write_text(json.dumps(rcfg))
             group.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(out / "router.yaml")])
             targets = [f"http://127.0.0.1:{router_port}"]
             wait_http(targets[0] + "/health", group, 60, "collm-router")
             print(f"[lab] router: {targets[0]}", flush=True)
-        model_id = httpx.get(targets[0] + "/v1/models").json()["data"][0]["id"]
-        loads = [BackgroundLoad(url, args.load / len(targets), _request_maker(model_id), seed=k).start()
+        if keys:
+            print(f"[lab] keys: /v1/* needs {keys['client']}, the edges' /admin/* {keys['admin']}", flush=True)
+        model_id = httpx.get(targets[0] + "/v1/models", headers=auth).json()["data"][0]["id"]
+        loads = [BackgroundLoad(url, args.load / len(targets), _request_maker(model_id), seed=k,
+                                api_key=client_key).start()
                  for k, url in enumerate(targets)] if args.load > 0 else []
         print(f"[lab] all up in {time.time() - t_start:.0f} s; running {args.rounds} rounds"
               + (f" under {args.load:g} req/s" if loads else ""), flush=True)
@@ -234,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                   "load": _load_summary(outcomes) if loads else None, "edges": {}}
         for name, url in urls.items():
             try:
-                report["edges"][name] = httpx.get(url + "/v1/adapters", timeout=10).json()
+                report["edges"][name] = httpx.get(url + "/v1/adapters", headers=auth, timeout=10).json()
             except (httpx.HTTPError, ValueError) as e:
                 report["edges"][name] = {"error": str(e)}
         (out / "lab.json").write_text(json.dumps(report, indent=2, default=str))

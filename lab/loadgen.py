@@ -149,9 +149,10 @@ async def _one_json(client: httpx.AsyncClient, url: str, p: Planned, t0: float) 
     return out
 
 
-def _client(timeout_s: float) -> httpx.AsyncClient:
+def _client(timeout_s: float, api_key: str | None = None) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, headers=headers)
 
 
 async def run_open_loop(plan: list[Planned], url: str, timeout_s: float = 300.0) -> list[Outcome]:
@@ -168,11 +169,13 @@ def replay(plan: list[Planned], url: str, timeout_s: float = 300.0) -> list[Outc
 class BackgroundLoad:
     """Open-loop Poisson requests at `rate` per second to `url`, from a thread of its own, until `stop()`.
 
-    `make(i)` gives the i-th request (a Planned whose `at_s` is ignored: the arrivals are Poisson)."""
+    `make(i)` gives the i-th request (a Planned whose `at_s` is ignored: the arrivals are Poisson);
+    `api_key` is sent as a bearer token."""
 
     def __init__(self, url: str, rate: float, make: Callable[[int], Planned], seed: int = 0,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, api_key: str | None = None):
         self.url, self.rate, self.make, self.seed, self.timeout_s = url, rate, make, seed, timeout_s
+        self.api_key = api_key
         self.outcomes: list[Outcome] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="collm-load", daemon=True)
@@ -188,7 +191,7 @@ class BackgroundLoad:
         return list(self.outcomes)
 
     async def _run(self) -> None:
-        async with _client(self.timeout_s) as client:
+        async with _client(self.timeout_s, self.api_key) as client:
             t0 = time.perf_counter()
             tasks = []
             for i, at in enumerate(poisson_arrivals(self.rate, self.seed)):

@@ -18,7 +18,7 @@ def lab(tmp_path_factory):
     out = tmp_path_factory.mktemp("lab") / "run"
     bin_dir = Path(sys.executable).parent
     proc = subprocess.run([str(bin_dir / "collm-lab"), "--model", "tiny", "--edges", "2", "--rounds", "2",
-                           "--load", "2", "--no-router", "--round-deadline", "30", "--out", str(out)],
+                           "--load", "2", "--no-router", "--round-deadline", "12", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     return proc, out
 
@@ -58,7 +58,7 @@ def test_balancer_decisions_and_losses_are_in_the_round_metrics(lab):
         decisions = {d["edge"]: d for d in m["balancer"]}
         assert set(decisions) == {"edge0", "edge1"}
         for d in decisions.values():
-            assert d["reason"] and "report" in d and d["deadline_s"] == 30
+            assert d["reason"] and "report" in d and d["deadline_s"] == 12
         assert set(m["eval"]) == {"edge0", "edge1"}
         assert all(isinstance(v["eval-loss"], float) for v in m["eval"].values())
         assert m["refused_by"] == [] and all(v["canary-refused"] == 0 for v in m["eval"].values())

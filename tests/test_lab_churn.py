@@ -3,10 +3,11 @@ loopback, 3 tiny edges, the router, requests under load).
 
 edge2 joins for round 2 and edge0 leaves when round 3's training starts (after round 3 sent it a
 TRAIN message: it trained in round 1, the least recently), under a server config with
-partial participation (fraction_train 0.67), FFA-LoRA and central DP all on. Every round must
-complete, no request through the router may fail, the late edge must serve the latest global, each
-round must train at most int(available x 0.67) edges, A must never move, and the privacy spent must
-grow by one release per round.
+partial participation (fraction_train 0.67), FFA-LoRA and central DP all on, and with `--keys`.
+Every round must complete, no request through the router may fail, the late edge must serve the
+latest global, each round must train at most int(available x 0.67) edges, A must never move, the
+privacy spent must grow by one release per round, and while it runs nothing but /health answers
+without a key.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+import yaml
 
 from collm.common.procs import processes_mentioning
 
@@ -42,16 +46,54 @@ def lab(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("churn")
     (tmp / "server.yaml").write_text(SERVER_YAML)
     out = tmp / "run"
-    proc = subprocess.run([str(BIN / "collm-lab"), "--model", "tiny", "--edges", "3", "--rounds", str(ROUNDS),
-                           "--load", "2", "--round-deadline", "6", "--server-config", str(tmp / "server.yaml"),
-                           "--join", "edge2@2", "--leave", "edge0@3", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    log = open(tmp / "lab.log", "w+")
+    proc = subprocess.Popen([str(BIN / "collm-lab"), "--model", "tiny", "--edges", "3", "--rounds", str(ROUNDS),
+                             "--load", "2", "--round-deadline", "6", "--server-config", str(tmp / "server.yaml"),
+                             "--join", "edge2@2", "--leave", "edge0@3", "--keys", "--out", str(out)],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        probes = probe_keys(out, proc)
+        proc.wait(900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log.seek(0)
     leftovers = processes_mentioning(str(out))
     metrics = {r: json.loads((out / "checkpoints" / f"round-{r:04d}" / "metrics.json").read_text())
                for r in range(1, ROUNDS + 1) if (out / "checkpoints" / f"round-{r:04d}" / "metrics.json").is_file()}
     report = json.loads((out / "lab.json").read_text()) if (out / "lab.json").is_file() else {}
-    return {"rc": proc.returncode, "stdout": proc.stdout + proc.stderr, "out": out, "metrics": metrics,
-            "report": report, "leftovers": leftovers}
+    return {"rc": proc.returncode, "stdout": log.read(), "out": out, "metrics": metrics,
+            "report": report, "leftovers": leftovers, "probes": probes}
+
+
+def probe_keys(out: Path, proc) -> dict:
+    """Once edge1 and the router answer, what each gets with no key, the client key and the admin token."""
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "router.yaml").is_file() and (out / "keys" / "client.key").is_file():
+            try:
+                edge = f"http://127.0.0.1:{yaml.safe_load((out / 'edge1.yaml').read_text())['api']['port']}"
+                router = f"http://127.0.0.1:{json.loads((out / 'router.yaml').read_text())['api']['port']}"
+                if httpx.get(router + "/health", timeout=5).status_code == 200:
+                    break
+            except (httpx.HTTPError, OSError, KeyError):
+                pass
+        time.sleep(0.5)
+    else:
+        return {}
+    client = (out / "keys" / "client.key").read_text().strip()
+    admin = (out / "keys" / "admin.key").read_text().strip()
+
+    def status(url, key=None, method="GET"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.request(method, url, headers=headers, timeout=10).status_code
+
+    return {"edge_models_nokey": status(edge + "/v1/models"), "edge_models_key": status(edge + "/v1/models", client),
+            "router_models_nokey": status(router + "/v1/models"),
+            "router_models_key": status(router + "/v1/models", client),
+            "admin_nokey": status(edge + "/admin/jobs/x"), "admin_client_key": status(edge + "/admin/jobs/x", client),
+            "admin_token": status(edge + "/admin/jobs/x", admin), "health": status(edge + "/health"),
+            "key_mode": oct((out / "keys" / "admin.key").stat().st_mode & 0o777)}
 
 
 def test_every_round_completes_and_no_request_fails(lab):
@@ -83,6 +125,17 @@ def test_the_leaving_edge_is_skipped_without_failing_the_round(lab):
     assert "edge0" in m3["kept"] or m3["dropped"]["edge0"].startswith("error reply")
     assert "error" in m3["eval"].get("edge0", {"error": "not asked"})  # it never evaluates round 3's global
     assert len(m3["kept"]) >= 1
+
+
+def test_with_keys_nothing_but_health_answers_without_one(lab):
+    p = lab["probes"]
+    assert p, "the router never came up"
+    assert p["edge_models_nokey"] == p["router_models_nokey"] == 401
+    assert p["edge_models_key"] == p["router_models_key"] == 200
+    assert p["admin_nokey"] == 401 and p["admin_client_key"] == 403
+    assert p["admin_token"] == 404  # admin is on and the token is accepted: that job does not exist
+    assert p["health"] == 200 and p["key_mode"] == "0o600"
+    assert (lab["out"] / "keys" / "client.key").read_text().strip() not in lab["stdout"]
 
 
 def test_partial_participation_ffa_and_dp_hold_in_every_round(lab):
