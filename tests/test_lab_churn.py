@@ -25,7 +25,7 @@ import yaml
 
 from collm.common.procs import processes_mentioning
 
-pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ROUNDS = 3
@@ -96,6 +96,7 @@ def probe_keys(out: Path, proc) -> dict:
             "key_mode": oct((out / "keys" / "admin.key").stat().st_mode & 0o777)}
 
 
+@pytest.mark.slow
 def test_every_round_completes_and_no_request_fails(lab):
     assert lab["rc"] == 0, lab["stdout"][-4000:]
     assert sorted(lab["metrics"]) == [1, 2, 3]
@@ -105,6 +106,7 @@ def test_every_round_completes_and_no_request_fails(lab):
     assert lab["leftovers"] == []
 
 
+@pytest.mark.slow
 def test_the_late_edge_joins_and_serves_the_latest_global(lab):
     events = lab["report"]["edge_events"]
     assert any(e["edge"] == "edge2" and e.get("joined") for e in events)
@@ -115,6 +117,7 @@ def test_the_late_edge_joins_and_serves_the_latest_global(lab):
     assert edge2["serving_version"] == ROUNDS        # the last global, from the federation
 
 
+@pytest.mark.slow
 def test_the_leaving_edge_is_skipped_without_failing_the_round(lab):
     events = lab["report"]["edge_events"]
     assert any(e["edge"] == "edge0" and e.get("left") for e in events)
@@ -127,6 +130,7 @@ def test_the_leaving_edge_is_skipped_without_failing_the_round(lab):
     assert len(m3["kept"]) >= 1
 
 
+@pytest.mark.slow
 def test_with_keys_nothing_but_health_answers_without_one(lab):
     p = lab["probes"]
     assert p, "the router never came up"
@@ -138,6 +142,7 @@ def test_with_keys_nothing_but_health_answers_without_one(lab):
     assert (lab["out"] / "keys" / "client.key").read_text().strip() not in lab["stdout"]
 
 
+@pytest.mark.slow
 def test_partial_participation_ffa_and_dp_hold_in_every_round(lab):
     from collm.server.checkpoints import load_round
 
@@ -161,3 +166,17 @@ def test_partial_participation_ffa_and_dp_hold_in_every_round(lab):
         assert all(t.get("update-norm", 0) >= 0 for t in m["train"].values())
         epsilons.append(p["epsilon"])
     assert epsilons == sorted(epsilons) and len(set(epsilons)) == ROUNDS  # one more release each round
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--join", "edge9@2"], "--join edge9@2: no edge named 'edge9' (with --edges 3: edge0, edge1, edge2)"),
+    (["--join", "edge1@1"], "--join edge1@1: give EDGE@ROUND with ROUND from 2 to --rounds 3"),
+    (["--leave", "edge0@x"], "--leave edge0@x: give EDGE@ROUND with ROUND from 1 to --rounds 3"),
+    (["--join", "edge0@3", "--leave", "edge0@2"], "--leave edge0@2: it joins at round 3; leave later than that"),
+    (["--join", "edge1@2", "--no-router"], "--join/--leave need the router"),
+])
+def test_bad_churn_arguments_are_one_line_errors_before_anything_starts(tmp_path, extra, message):
+    proc = subprocess.run([str(BIN / "collm-lab"), "--edges", "3", "--rounds", "3", *extra, "--out", str(tmp_path / "o")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and message in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
