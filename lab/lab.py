@@ -81,7 +81,8 @@ def make_keys(d: Path) -> dict[str, Path]:
 
 
 def lab_edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: str | None = None,
-                     certs: dict[str, Path] | None = None, keys: dict[str, Path] | None = None) -> list[EdgeConfig]:
+                     certs: dict[str, Path] | None = None, keys: dict[str, Path] | None = None,
+                     eval_records: int | None = None) -> list[EdgeConfig]:
     """One config per edge: own name, ports, Dolly categories (non-IID) and state dir; the N edges
     share this machine's cores (oversubscribed torch threads spin and stall each other).
 
@@ -97,6 +98,8 @@ def lab_edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: s
         if certs:
             fed.update({"insecure": False, "root_certificates": str(certs["ca"]), "auth_private_key": str(certs[name])})
         overrides = {"federation": fed, "model": {"threads": threads}}
+        if eval_records:
+            overrides["training"] = {"max_eval_records": eval_records}
         if keys:
             overrides["auth"] = {"api_keys": {"file": str(keys["edge-api"])}, "admin_tokens": {"file": str(keys["admin"])}}
             overrides["api"] = {"admin": True, "adapter_dir": str(out / "checkpoints")}
@@ -129,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/lab")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier lab run's results in --out")
     p.add_argument("--cache-dir", help="model cache (default: the edge config's)")
+    p.add_argument("--eval-records", type=int, help="holdout records per evaluation on each edge "
+                   "(training.max_eval_records; default: the edge config's)")
     p.add_argument("--keys", action="store_true", help="require API keys (generated into OUT/keys) for /v1/* "
                    "and an admin token for the edges' /admin/* (then on)")
     p.add_argument("--tls", action="store_true", help="TLS to the SuperLink and SuperNode authentication: "
@@ -185,6 +190,8 @@ def check_args(args) -> None:
         raise UserError(f"--rounds {args.rounds}: give at least 1")
     if args.load < 0:
         raise UserError(f"--load {args.load:g}: requests per second cannot be negative")
+    if args.eval_records is not None and args.eval_records < 1:
+        raise UserError(f"--eval-records {args.eval_records}: give at least 1")
     if args.round_deadline is not None and args.round_deadline <= 0:
         raise UserError(f"--round-deadline {args.round_deadline:g}: give a positive number of seconds")
     args.joins, args.leaves = check_churn(args)
@@ -205,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = make_keys(out / "keys") if args.keys else None
     client_key = keys["client"].read_text().strip() if keys else None
     auth = {"Authorization": f"Bearer {client_key}"} if keys else {}
-    edges = lab_edge_configs(args.model, args.edges, superlink, out, args.cache_dir, certs, keys)
+    edges = lab_edge_configs(args.model, args.edges, superlink, out, args.cache_dir, certs, keys, args.eval_records)
     server_cfg = server_config(args, out, edges)
     (out / "server.yaml").write_text(dump_config(server_cfg))
     paths = {e.name: write_config(out / f"{e.name}.yaml", e) for e in edges}

@@ -36,7 +36,7 @@ def lab(tmp_path_factory):
     (tmp / "server.yaml").write_text(BAD_SERVER)
     out = tmp / "run"
     proc = subprocess.run([str(BIN / "collm-lab"), "--model", "bundled", "--edges", "2", "--rounds", "1",
-                           "--load", "0.3", "--server-config", str(tmp / "server.yaml"), "--out", str(out)],
+                           "--load", "0.3", "--eval-records", "16", "--server-config", str(tmp / "server.yaml"), "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=1200)
     leftovers = processes_mentioning(str(out))
     m = out / "checkpoints" / "round-0001" / "metrics.json"
