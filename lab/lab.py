@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             except (httpx.HTTPError, ValueError) as e:
                 report["edges"][name] = {"error": str(e)}
         (out / "lab.json").write_text(json.dumps(report, indent=2, default=str))
-        print(f"[lab] requests during the rounds: {report['load']}", flush=True)
+        summary = {k: v for k, v in (report["load"] or {}).items() if k != "requests"}  # per request: lab.json
+        print(f"[lab] requests during the rounds: {summary or None}", flush=True)
         for name, view in report["edges"].items():
             if "serving_version" in view:
                 print(f"[lab] {name}: serving adapter version {view['serving_version']} "
