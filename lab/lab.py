@@ -344,13 +344,12 @@ class Churn:
 
 
 def _follow(group: ProcessGroup, server, edge_paths: dict[str, Path], restart: bool, min_edges: int,
-            churn: Churn | None = None) -> list[dict]:
+            churn: Churn) -> list[dict]:
     """Echo the ServerApp's log (rounds, balancer decisions, the loss table) until it exits; meanwhile
     start and stop edges as --join/--leave ask, report an edge that dies, and restart it if asked.
     Returns what happened to the edges."""
     path = group.log_path("server")
     pos, events, reported, left = 0, [], set(), set()
-    churn = churn or Churn({}, {}, Path("/nonexistent"))
     while True:
         time.sleep(0.5)
         text = path.read_text(errors="replace") if path.is_file() else ""

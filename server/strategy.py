@@ -83,6 +83,7 @@ class CollmRounds:
         self._norm_history: deque[float] = deque(maxlen=8)  # update norms the last rounds kept
         self._last_trained: dict[str, int] = {}   # edge -> last round it was sent a TRAIN message
         self._outbox: list[Message] = []          # the instructions of the current phase (`_node_of`)
+        self._sent_to: dict[str, int] = {}        # their message id -> destination node, once pushed
         dp = server_cfg.dp
         self.privacy = PrivacyLedger(dp.target_delta) if dp is not None else None
 
@@ -160,10 +161,12 @@ class CollmRounds:
         """The node a reply is about: its sender, or, for an error the SuperLink answers on a node's
         behalf (Node Unavailable: an edge that left), the node the instruction went to."""
         reply_to = m.metadata.reply_to_message_id
-        for sent in self._outbox:  # their message ids are set once the grid has pushed them
-            if reply_to and sent.metadata.message_id == reply_to:
-                return sent.metadata.dst_node_id
-        return m.metadata.src_node_id
+        if not reply_to:
+            return m.metadata.src_node_id
+        if reply_to not in self._sent_to:  # ids are set once the grid has pushed them
+            self._sent_to = {sent.metadata.message_id: sent.metadata.dst_node_id
+                             for sent in self._outbox if sent.metadata.message_id}
+        return self._sent_to.get(reply_to, m.metadata.src_node_id)
 
     # ------------------------------------------------------------------------------ train
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
