@@ -112,3 +112,15 @@ def at_rate(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
     t0, span = trace[0].arrival_s, trace[-1].arrival_s - trace[0].arrival_s
     k = (len(trace) - 1) / (rate * span) if span > 0 else 0.0
     return [TraceRequest((r.arrival_s - t0) * k, r.prompt_tokens, r.output_tokens) for r in trace]
+
+
+def trace_segment(requests: list[TraceRequest], rate: float, seconds: float, min_requests: int) -> list[TraceRequest]:
+    """The first max(min_requests, rate * seconds) requests of `requests` at mean rate `rate` (the
+    trace repeats if it is shorter), bursts kept: collm-bench's load points and probes, and collm-sim's."""
+    import math
+
+    n = max(min_requests, math.ceil(rate * seconds), 2)
+    span = requests[-1].arrival_s + 1.0
+    reqs = [TraceRequest(r.arrival_s + (i // len(requests)) * span, r.prompt_tokens, r.output_tokens)
+            for i, r in ((i, requests[i % len(requests)]) for i in range(n))]
+    return at_rate(reqs, rate)

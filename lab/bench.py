@@ -50,7 +50,7 @@ from collm.common.data import Record, categories, load_records, partition_by_cat
 from collm.common.errors import UserError, cli_entry
 from collm.common.procs import BIN_DIR
 from collm.common.stats import mean_ci
-from collm.common.traces import TraceRequest, TraceScaling, at_rate, load_trace
+from collm.common.traces import TraceRequest, TraceScaling, load_trace, trace_segment
 from collm.lab.bench_config import BenchConfig
 from collm.lab.loadgen import Outcome, Planned, replay, summarize
 from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
@@ -100,11 +100,7 @@ class Workload:
     def segment(self, rate: float, seconds: float, min_requests: int) -> list[TraceRequest]:
         """The first max(min_requests, rate * seconds) requests at mean rate `rate` (the trace repeats
         if it is shorter)."""
-        n = max(min_requests, math.ceil(rate * seconds), 2)
-        span = self.requests[-1].arrival_s + 1.0
-        reqs = [TraceRequest(r.arrival_s + (i // len(self.requests)) * span, r.prompt_tokens, r.output_tokens)
-                for i, r in ((i, self.requests[i % len(self.requests)]) for i in range(n))]
-        return at_rate(reqs, rate)
+        return trace_segment(self.requests, rate, seconds, min_requests)
 
     def plan(self, reqs: list[TraceRequest], model_id: str) -> list[Planned]:
         cfg = self.cfg
@@ -118,9 +114,12 @@ class Workload:
 
 def window_of(plan: list[Planned]) -> float:
     """Seconds the plan's arrivals span, as n / rate: goodput = SLO-meeting requests / this."""
-    if len(plan) < 2:
-        return 1.0
-    return plan[-1].at_s * len(plan) / (len(plan) - 1)
+    return window_span(plan[-1].at_s if plan else 0.0, len(plan))
+
+
+def window_span(last_arrival_s: float, n: int) -> float:
+    """n arrivals from 0 to `last_arrival_s` span n / rate = last * n / (n - 1) seconds."""
+    return last_arrival_s * n / (n - 1) if n >= 2 else 1.0
 
 
 # ----------------------------------------------------------------------------- topology
@@ -282,21 +281,35 @@ def _compact(o: Outcome) -> dict:
 
 
 def find_capacity(run: ModeRun, work: Workload, cfg: BenchConfig, bar) -> dict:
-    """Serve-only's highest rate at >= the target attainment: grow the rate until it fails, then bisect."""
+    """Serve-only's highest rate at >= the target attainment (`search_capacity`), probed over HTTP."""
     c = cfg.capacity
-    probes: list[dict] = []
+    n = [0]
 
     def probe(rate: float) -> dict:
+        n[0] += 1
         plan = work.plan(work.segment(rate, c.probe_s, c.min_requests), run.model_id)
-        p = measure(run, plan, cfg, {"probe": len(probes) + 1})
-        probes.append({k: v for k, v in p.items() if k not in ("outcomes", "slo_met")})
-        bar.write(f"  capacity probe {len(probes)}: {p['rate']:.3f} req/s, {p['requests']} requests, attainment "
+        p = measure(run, plan, cfg, {"probe": n[0]})
+        bar.write(f"  capacity probe {n[0]}: {p['rate']:.3f} req/s, {p['requests']} requests, attainment "
                   f"{p['slo_attainment']:.3f} [{p['attainment_ci'][0]:.2f}, {p['attainment_ci'][1]:.2f}]")
+        return {k: v for k, v in p.items() if k not in ("outcomes", "slo_met")}
+
+    return search_capacity(probe, c)
+
+
+def search_capacity(probe, c) -> dict:
+    """Grow the rate from `c.start_rate` by `c.growth` until attainment falls below the target, then
+    bisect `c.refine` times; the capacity is the interpolated crossing. `probe(rate)` measures one
+    rate and returns a point with `rate` and `slo_attainment` (collm-bench over HTTP, collm-sim)."""
+    probes: list[dict] = []
+
+    def run(rate: float) -> dict:
+        p = probe(rate)
+        probes.append(p)
         return p
 
     rate, passed, failed = c.start_rate, None, None
     while len(probes) < c.max_probes:
-        p = probe(rate)
+        p = run(rate)
         if p["slo_attainment"] >= c.target_attainment:
             passed = p
             if failed is not None:
@@ -310,7 +323,7 @@ def find_capacity(run: ModeRun, work: Workload, cfg: BenchConfig, bar) -> dict:
     for _ in range(c.refine):
         if passed is None or failed is None or len(probes) >= c.max_probes:
             break
-        p = probe(math.sqrt(passed["rate"] * failed["rate"]))
+        p = run(math.sqrt(passed["rate"] * failed["rate"]))
         if p["slo_attainment"] >= c.target_attainment:
             passed = p
         else:

@@ -128,9 +128,11 @@ def _plots(results: dict, paths: dict) -> None:
 def _markdown(results: dict, paths: dict) -> str:
     cfg, modes, cap = results["config"], results["modes"], results["capacity"]
     t = cfg["trace"]
+    where = ("simulated edges (collm-sim: CoLLM's own policy code on measured edge profiles)"
+             if results.get("simulated") else "replicas on one machine (each pinned to its own cores)")
     lines = [
-        "# collm-bench report", "",
-        f"Model `{cfg['model']}`, {cfg['replicas']} replicas on one machine (each pinned to its own cores), every "
+        "# collm-sim report" if results.get("simulated") else "# collm-bench report", "",
+        f"Model `{cfg['model']}`, {cfg['replicas']} {where}, every "
         f"mode on the same replicas, arrivals and SLOs (TTFT ≤ {cfg['ttft_ms']:g} ms, TPOT ≤ {cfg['tpot_ms']:g} ms). "
         f"Wall time {results['wall_s']:.0f} s.", "",
         f"Trace: {t['path'] or 'shipped Azure LLM conv trace (CC BY 4.0)'} from {t['start_s']:g} s, token counts "

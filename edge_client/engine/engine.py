@@ -32,7 +32,7 @@ from collm.common.slo import SLO
 from collm.edge_client.config import EdgeConfig
 from collm.edge_client.engine.co_schedule import RequestSlack, ServingLoad, make_policy
 from collm.edge_client.engine.cost_model import CostModels, step_features
-from collm.edge_client.engine.planner import next_step_shape, plan_step, step_shape
+from collm.edge_client.engine.planner import next_step_shape, plan_step, prefill_time, step_shape, too_late
 from collm.edge_client.engine.requests import (AdmittedEvent, EngineError, EngineFailed, FinishEvent, PromptTooLong,
                                                QueueFull, Request, ShuttingDown, TokenEvent)
 from collm.edge_client.engine.telemetry import EdgeSnapshot, RequestRecord, Telemetry
@@ -333,7 +333,7 @@ class Engine:
             if r.cancelled:
                 self._waiting.remove(r)
                 self._finish(r, "cancelled")
-            elif shed and now - r.arrival + self._prefill_s(len(r.prompt_ids)) > r.slo.ttft_s:
+            elif shed and too_late(now, r.arrival, self._prefill_s(len(r.prompt_ids)), r.slo.ttft_s):
                 self._waiting.remove(r)
                 self._finish(r, "expired")
         for r in [r for r in self._running if r.cancelled]:
@@ -341,9 +341,7 @@ class Engine:
 
     def _prefill_s(self, prompt_tokens: int) -> float:
         """Predicted time to prefill a prompt alone: its chunks of at most the step token budget."""
-        budget = self.cfg.engine.step_token_budget
-        chunk = min(prompt_tokens, budget)
-        return -(-prompt_tokens // budget) * self.costs.step_time(0, chunk, chunk)
+        return prefill_time(prompt_tokens, self.cfg.engine.step_token_budget, self.costs.step_time)
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.pool.slots:

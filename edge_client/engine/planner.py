@@ -55,3 +55,16 @@ def next_step_shape(running: list, budget: int) -> StepShape:
     decoding = sum(1 for r in running if r.prefilled == len(r.prompt_ids))
     prefill = min(sum(len(r.prompt_ids) - r.prefilled for r in running), max(0, budget - decoding))
     return StepShape(decoding, prefill, sum(len(r.prompt_ids) + len(r.out_ids) for r in running))
+
+
+def prefill_time(prompt_tokens: int, budget: int, step_time) -> float:
+    """Predicted seconds to prefill a prompt alone: its chunks of at most `budget` tokens, each a step
+    of `step_time(decode, prefill, attended)` (the engine's shed-late test, and the simulator's)."""
+    chunk = min(prompt_tokens, budget)
+    return -(-prompt_tokens // budget) * step_time(0, chunk, chunk)
+
+
+def too_late(now: float, arrival: float, prefill_s: float, ttft_slo_s: float) -> bool:
+    """A waiting request that cannot get its first token within its TTFT target any more
+    (`engine.shed_late`): the wait so far plus its own prefill is past the target."""
+    return now - arrival + prefill_s > ttft_slo_s
