@@ -1,0 +1,96 @@
+"""collm-sim against a real collm-bench run of the same setting: per mode and load point.
+
+    collm-bench --config configs/bench.yaml --out runs/bench          # the real run (~60 min)
+    python benchmarks/sim_fidelity.py --real runs/bench/results.json --config configs/sim-fidelity.yaml
+
+The simulation replays the real run's own load points: the same trace segments at the same
+absolute rates (its capacity C is fixed to the real run's), so request i is the same arrival in
+both. It also runs the simulator's own capacity search and prints it beside the real one.
+Printed per point and mode: attainment (real, simulated, difference; target within +-0.05),
+TTFT and TPOT p50/p90 (relative error; target 15%), training tokens/s; then goodput
+collm/isolated real vs simulated (target within 15%). Writes the table to --md if given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from collm.common.config import load_config
+from collm.common.stats import ratio_ci
+from collm.sim.config import SimConfig
+from collm.sim.run import capacity, load_requests, run_fleet
+
+
+def rel(sim, real) -> str:
+    if sim is None or real is None or real == 0:
+        return "-"
+    return f"{100 * (sim - real) / real:+.0f}%"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--real", required=True, help="results.json of a collm-bench run")
+    p.add_argument("--config", default="configs/sim-fidelity.yaml")
+    p.add_argument("--md", help="also write the table here")
+    p.add_argument("--seeds", type=int, default=3, help="simulations (seeds) to average the simulated figures over")
+    args = p.parse_args(argv)
+    real = json.loads(Path(args.real).read_text())
+    cfg = load_config(SimConfig, args.config)
+    n = real["config"]["replicas"]
+    fractions = [pt["fraction"] for pt in real["modes"]["serve-only"]["points"]]
+    modes = [m for m in real["modes"] if m in cfg.modes or m == "serve-only"]
+    own = capacity(cfg, load_requests(cfg), n, cfg.seed)["rate"]
+    fixed = cfg.model_copy(update={
+        "edges": n, "modes": modes,
+        "capacity": cfg.capacity.model_copy(update={"rate": real["capacity"]["rate"]}),
+        "load": cfg.load.model_copy(update={"fractions": fractions})})
+    sims = [run_fleet(fixed.model_copy(update={"seed": cfg.seed + s}), n, cfg.seed + s) for s in range(args.seeds)]
+    lines = [f"Capacity (serve-only, >= {cfg.capacity.target_attainment:.0%}): real {real['capacity']['rate']:.3f} "
+             f"req/s, simulated search {own:.3f} req/s ({rel(own, real['capacity']['rate'])}).", "",
+             f"Simulated figures: mean over {args.seeds} seeds.", "",
+             "| load | mode | attainment real / sim (diff) | TTFT p50 real / sim | TTFT p90 real / sim | "
+             "TPOT p50 real / sim | TPOT p90 real / sim | training tok/s real / sim |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def mean(key, mode, i):
+        vals = [s["modes"][mode]["points"][i][key] for s in sims]
+        vals = [v for v in vals if v is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    worst = {"attainment": 0.0}
+    for i, f in enumerate(fractions):
+        for m in modes:
+            rp = real["modes"][m]["points"][i]
+            a_s = mean("slo_attainment", m, i)
+            worst["attainment"] = max(worst["attainment"], abs(a_s - rp["slo_attainment"]))
+            cells = []
+            for key in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"):
+                s_v, r_v = mean(key, m, i), rp[key]
+                cells.append(f"{r_v:.3f} / {s_v:.3f} ({rel(s_v, r_v)})" if s_v is not None and r_v is not None
+                             else "-")
+            lines.append(f"| {f:g}x | {m} | {rp['slo_attainment']:.3f} / {a_s:.3f} ({a_s - rp['slo_attainment']:+.3f}) | "
+                         + " | ".join(cells) + f" | {rp['train_tokens_per_s']:.0f} / {mean('train_tokens_per_s', m, i):.0f} |")
+    if "collm" in modes and "isolated" in modes:
+        lines += ["", "| load | goodput collm/isolated real [95% CI] | sim (mean of seeds) | difference |", "|---|---|---|---|"]
+        for i, f in enumerate(fractions):
+            r, lo, hi = ratio_ci(real["modes"]["collm"]["points"][i]["slo_met"],
+                                 real["modes"]["isolated"]["points"][i]["slo_met"])
+            ss = [ratio_ci(s["modes"]["collm"]["points"][i]["slo_met"], s["modes"]["isolated"]["points"][i]["slo_met"],
+                           resamples=200)[0] for s in sims]
+            ss = [x for x in ss if x is not None]
+            sv = sum(ss) / len(ss) if ss else None
+            lines.append(f"| {f:g}x | {r:.2f} [{lo:.2f}, {hi:.2f}] | {sv:.2f} | {rel(sv, r)} |" if r and sv
+                         else f"| {f:g}x | - | - | - |")
+    lines += ["", f"Largest attainment difference: {worst['attainment']:.3f}."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.md:
+        Path(args.md).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

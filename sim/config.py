@@ -1,0 +1,102 @@
+"""Configuration of `collm-sim` (configs/sim.yaml, configs/sim-fidelity.yaml).
+
+The knobs mirror collm-bench's (configs/bench.yaml: trace scaling, SLOs, load points, federation
+budget, bootstrap), so a simulation and a real run of the same setting read alike; what only a
+simulation has (profiles and device mix, fleet sizes, the quality curve, network latency) is here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from collm.common.config import Strict
+from collm.lab.bench_config import MODES, CapacityConfig, FederationBudget, LoadConfig, TraceConfig
+
+
+class DeviceClass(Strict):
+    """A share of the fleet running one profile (`speed` scales it: 4.0 = four times as fast)."""
+
+    profile: str = Field("smollm2-cpu1", description="a shipped profile name or a path to a profile JSON")
+    speed: float = Field(1.0, gt=0)
+    share: float = Field(1.0, gt=0, description="relative share of the edges (normalised over the mix)")
+
+
+class QualityCurve(Strict):
+    """Served holdout loss after T aggregated training tokens: floor + (base - floor) * (1 + T/scale)^-exponent.
+
+    Default: fitted to benchmarks/federation_quality.py's fedavg run (3 SmolLM2 edges, Dolly non-IID,
+    4500 tokens a round, 5 rounds; rms error 0.0044)."""
+
+    base: float = 2.2545
+    floor: float = 2.0396
+    scale_tokens: float = Field(22200.0, gt=0)
+    exponent: float = Field(3.0, gt=0)
+
+    def loss(self, tokens: float) -> float:
+        return self.floor + (self.base - self.floor) * (1.0 + max(tokens, 0.0) / self.scale_tokens) ** -self.exponent
+
+
+class NetworkConfig(Strict):
+    rtt_s: float = Field(0.004, ge=0, description="client -> router -> edge and back, added to every TTFT")
+    exchange_s: float = Field(2.0, ge=0, description="one Flower message exchange (QUERY, TRAIN, EVALUATE): the "
+                              "SuperNodes' polling and the transfer")
+    reload_s: float = Field(0.5, ge=0, description="isolated: a serving replica loading the new adapter from disk")
+
+
+class RouterSim(Strict):
+    """The router's settings the simulation uses (router/config.py's defaults)."""
+
+    interval_s: float = Field(0.5, gt=0, description="health.interval_s")
+    max_polls_per_s: float = Field(100.0, gt=0, description="health.max_polls_per_s (staggered polling)")
+    admission: bool = True
+    admission_margin: float = Field(1.0, ge=1.0)
+    prompt_overhead_tokens: int = Field(10, ge=0, description="tokens the chat template adds to a trace prompt "
+                                        "(the edge sees them, the router estimates 8)")
+
+
+class SweepConfig(Strict):
+    fleet_sizes: list[int] = Field(default_factory=lambda: [10, 100, 1000], description="edges per run of the sweep")
+    fractions: list[float] = Field(default_factory=lambda: [0.3, 0.8, 1.0], min_length=1)
+    seeds: int = Field(1, ge=1, description="runs per fleet size (different arrivals and noise)")
+    max_requests: int | None = Field(60000, ge=100, description="at most this many requests per probe and point "
+                                     "(a large fleet replays a shorter stretch of arrivals)")
+    sizing_rate: float | None = Field(None, gt=0, description="find, per mode, the smallest fleet that meets "
+                                      "capacity.target_attainment at this absolute rate (req/s)")
+
+
+class SimConfig(Strict):
+    edges: int = Field(2, ge=1, description="edges of the single run (isolated: half serve, half train)")
+    devices: list[DeviceClass] = Field(default_factory=lambda: [DeviceClass()], min_length=1)
+    modes: list[Literal["collm", "isolated", "colocated-naive", "serve-only"]] = Field(
+        default_factory=lambda: list(MODES), min_length=1)
+    ttft_ms: float = Field(3000.0, gt=0)
+    tpot_ms: float = Field(400.0, gt=0)
+    slo_safety: float = Field(0.8, gt=0, le=1)
+    busy_share: float = Field(0.0, ge=0, le=1, description="collm edges' training.busy_share")
+    collm_routing: Literal["slo", "round_robin", "least_outstanding"] = "slo"
+    eval_records: int = Field(8, ge=1, description="holdout records each training edge evaluates per round")
+    train_examples: int = Field(1500, ge=1, description="local training examples per edge (balancer weight)")
+    carry_between_rounds: bool = True
+    finish_grace: float = Field(0.25, ge=0, le=1)
+    trace: TraceConfig = TraceConfig(start_s=120.0, token_scale=0.1, max_prompt_tokens=96, max_output_tokens=16)
+    capacity: CapacityConfig = CapacityConfig(start_rate=0.4, refine=3, probe_s=120.0, min_requests=200)
+    load: LoadConfig = LoadConfig(fractions=[0.3, 0.8, 1.0, 1.2], seconds=120.0, min_requests=300)
+    federation: FederationBudget = FederationBudget(round_deadline_s=30.0, round_token_budget=6000, rounds=1000)
+    quality: QualityCurve = QualityCurve()
+    network: NetworkConfig = NetworkConfig()
+    router: RouterSim = RouterSim()
+    sweep: SweepConfig | None = Field(None, description="also run every fleet size of the sweep")
+    warmup_s: float = Field(30.0, ge=0, description="simulated seconds before the first point (rounds start)")
+    bootstrap: int = Field(2000, ge=100)
+    seed: int = 0
+    out: str = "runs/sim"
+
+    @model_validator(mode="after")
+    def _check(self) -> SimConfig:
+        if "isolated" in self.modes and self.edges % 2:
+            raise ValueError("edges must be even when 'isolated' is a mode (half serve, half train)")
+        if self.trace.min_output_tokens > self.trace.max_output_tokens:
+            raise ValueError("trace.min_output_tokens must not exceed trace.max_output_tokens")
+        return self

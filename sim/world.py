@@ -1,0 +1,394 @@
+"""The simulated fleet: trace arrivals -> the router -> N edges -> rounds, on one logical clock.
+
+One heap of events (time, sequence, kind, a, b); no wall clock anywhere, every random draw from
+streams seeded by `seed`, so a run is a pure function of its config. Kinds:
+
+* ARRIVE   a trace request reaches the router: `collm.router.fleet.choose` (the router's own
+           columnar rule, with its Assumptions and admission test) over the last scrapes picks
+           the edge; refused requests count as misses, as the router's 429s do in collm-bench;
+* WAKE     an edge's step, decode run or background stretch ends (`collm.sim.edge`);
+* TICK     every `router.interval_s`: the router's staggered polls refresh the scrape of
+           at most max_polls_per_s * interval edges, as `router/app.py` paces them;
+* SERVER   the round's phases, as `server/strategy.py` runs them: QUERY (load reports) -> the
+           balancer (`server.balancer.BALANCERS`, the same function) -> TRAIN (each participant's
+           job, its deadline counted from when its engine starts it) -> aggregate -> EVALUATE
+           (each training edge evaluates the new global; collm edges swap when their evaluation
+           ends; isolated serving edges load it `reload_s` after the round) -> the next round.
+           Each exchange costs `network.exchange_s`. A round that aggregated nothing waits
+           `balancer.idle_wait_s` (the server's default) before the next.
+
+Served quality is the config's curve over the tokens aggregated so far (`QualityCurve`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from collm.common.protocol import LoadReport
+from collm.common.slo import meets_slo
+from collm.common.traces import TraceRequest
+from collm.edge_client.config import TrainingConfig
+from collm.edge_client.engine.co_schedule import make_policy
+from collm.lab.bench import mode_roles
+from collm.router import fleet
+from collm.router.policy import Assumptions, RequestView, unattainable
+from collm.server.balancer import BALANCERS, BalancerParams
+from collm.server.config import BalancerConfig
+from collm.sim.config import SimConfig
+from collm.sim.edge import SimEdge, SimJob, SimRequest
+from collm.sim.profile import EdgeProfile
+
+ARRIVE, WAKE, TICK, SERVER = range(4)
+WINDOW_S = 60.0  # the edges' telemetry window (engine.telemetry)
+
+
+@dataclass(slots=True)
+class Served:
+    """One request's outcome (what collm-bench's Outcome records)."""
+
+    index: int
+    point: int
+    edge: int
+    status: str  # length | expired | refused
+    ttft_s: float | None
+    tpot_s: float | None
+    version: int
+    met: bool
+
+
+@dataclass
+class RoundLog:
+    round: int
+    started: float
+    took_part: list[str] = field(default_factory=list)
+    tokens: int = 0
+    aggregated_at: float | None = None
+    swapped_at: float | None = None
+    loss: float | None = None
+
+
+def fleet_profiles(cfg: SimConfig, n: int, load) -> list[EdgeProfile]:
+    """Each edge's profile from the device mix: shares rounded to whole edges, largest remainder
+    first, devices interleaved so that isolated's two halves get the same mix."""
+    shares = np.array([d.share for d in cfg.devices], float)
+    want = shares / shares.sum() * n
+    counts = np.floor(want).astype(int)
+    for i in np.argsort(-(want - counts), kind="stable")[: n - counts.sum()]:
+        counts[i] += 1
+    profiles = [load(d.profile, d.speed) for d in cfg.devices]
+    order = []
+    left = counts.copy()
+    while len(order) < n:
+        for i in range(len(profiles)):
+            if left[i]:
+                order.append(profiles[i])
+                left[i] -= 1
+    return order
+
+
+class World:
+    def __init__(self, cfg: SimConfig, mode: str, profiles: list[EdgeProfile], seed: int):
+        self.cfg, self.mode = cfg, mode
+        n = len(profiles)
+        self.roles = mode_roles(mode, n)
+        self.seq = 0
+        self.heap: list = []
+        self.now = 0.0
+        ss = np.random.SeedSequence([seed, n, sum(map(ord, mode))])
+        edge_seeds = ss.spawn(n + 1)
+        self.rng = random.Random(int(edge_seeds[-1].generate_state(1)[0]))  # the router's p2c sampler
+        tc = TrainingConfig(co_schedule="naive" if mode == "colocated-naive" else "work_conserving",
+                            busy_share=cfg.busy_share if mode == "collm" else 0.0)
+        self.edges = [SimEdge(i, f"{role.replace('+', '-')}{i}", p, role, make_policy(tc), self,
+                              int(edge_seeds[i].generate_state(1)[0]), cfg.ttft_ms / 1000, cfg.tpot_ms / 1000,
+                              cfg.slo_safety) for i, (p, role) in enumerate(zip(profiles, self.roles))]
+        self.serving = [e for e in self.edges if e.serves]
+        self.trainers = [e for e in self.edges if e.trains]
+        self.policy = cfg.collm_routing if mode == "collm" else "round_robin"
+        self.counter = 0
+        r = cfg.router
+        self.assumptions = Assumptions(slo_safety=cfg.slo_safety)
+        S = len(self.serving)
+        self.poll_every = max(1, math.ceil(S / (r.max_polls_per_s * r.interval_s)))  # ticks between an edge's polls
+        self.stale_after = max(5.0, 2 * self.poll_every * r.interval_s)
+        self._init_columns()
+        self.out: list[Served] = []
+        self.rounds: list[RoundLog] = []
+        self.version = 0
+        self.tokens_aggregated = 0.0
+        self.losses = [(0.0, 0, cfg.quality.loss(0.0))]  # (time, version, loss) of every swap
+        self._last_gain: float | None = None
+        self._tick_no = 0
+        self._history: list[tuple[float, np.ndarray, np.ndarray, np.ndarray]] = []  # telemetry ring
+        bc = BalancerConfig()
+        f = cfg.federation
+        self.balance = BALANCERS["slo" if mode == "collm" else "uniform"]
+        self.params = BalancerParams(bc.target_attainment, f.round_deadline_s, f.round_token_budget,
+                                     bc.min_edge_tokens, bc.spare_use, bc.fill_budget)
+        self.idle_wait_s = bc.idle_wait_s
+        self.round: RoundLog | None = None
+        self._pending: set[int] = set()
+
+    # ------------------------------------------------------------------ events
+    def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    def wake_at(self, t: float, edge: int, epoch: int) -> None:
+        self.push(t, WAKE, edge, epoch)
+
+    def run(self, points: list[list[TraceRequest]], warmup_s: float, drain_s: float) -> dict:
+        """Replay `points` one after another (each from when the last one's requests are done, plus
+        `drain_s`) after `warmup_s`; rounds run throughout if the mode trains."""
+        cfg = self.cfg
+        self.push(0.0, TICK)
+        if self.trainers:
+            self.push(0.0, SERVER, 0)
+        t = warmup_s
+        spans = []
+        for pi, reqs in enumerate(points):
+            self._until(t)
+            start = self.now = max(self.now, t)
+            tok0 = self._train_tokens()
+            n_before = len(self.out)
+            self._arrivals = iter(enumerate(reqs))
+            self._point, self._t0 = pi, start
+            self._next_arrival()
+            give_up = start + (reqs[-1].arrival_s if reqs else 0.0) + 3600.0  # a request that never ends
+            while len(self.out) - n_before < len(reqs) and self.now < give_up:
+                if not self._pop():
+                    break
+            end = self.now
+            spans.append({"start": start, "end": end, "train_tokens": self._train_tokens() - tok0})
+            t = end + drain_s
+        return {"spans": spans}
+
+    def _next_arrival(self) -> None:
+        nxt = next(self._arrivals, None)
+        if nxt is not None:
+            i, r = nxt
+            self.push(self._t0 + r.arrival_s, ARRIVE, i, 0)
+            self._pending_req = (i, r)
+
+    def _until(self, t: float) -> None:
+        while self.heap and self.heap[0][0] <= t:
+            self._pop()
+
+    def _pop(self) -> bool:
+        if not self.heap:
+            return False
+        t, _, kind, a, b = heapq.heappop(self.heap)
+        self.now = t
+        if kind == WAKE:
+            self.edges[a].wake(t, b)
+        elif kind == ARRIVE:
+            i, r = self._pending_req
+            self._route(i, r, t)
+            self._next_arrival()
+        elif kind == TICK:
+            self._tick(t)
+        else:
+            self._server(a, t)
+        return True
+
+    # ------------------------------------------------------------------ requests
+    def _route(self, i: int, tr: TraceRequest, now: float) -> None:
+        cfg = self.cfg
+        p = tr.prompt_tokens + cfg.router.prompt_overhead_tokens
+        r = SimRequest(i, self._point, now, p, tr.output_tokens, cfg.ttft_ms / 1000, cfg.tpot_ms / 1000)
+        x = RequestView(tr.prompt_tokens + 8, tr.output_tokens, r.ttft_slo, r.tpot_slo)
+        c = self._columns(now)
+        d = fleet.choose(self.policy, c, x, self.rng, self.counter, self.assumptions)
+        self.counter += 1
+        if self.policy == "slo" and cfg.router.admission and unattainable(d, cfg.router.admission_margin):
+            self._record(r, -1, "refused", None, None)
+            return
+        k = self._row[d.edge]
+        e = self.serving[k]
+        if not e.arrive(r, now):
+            self._record(r, e.index, "refused", None, None)
+            return
+        self.outstanding[k] += 1
+        self.last_sent[k] = now
+
+    def finished(self, r: SimRequest, edge: SimEdge, now: float, status: str) -> None:
+        k = self._row.get(edge.name)
+        if k is not None:
+            self.outstanding[k] -= 1
+        if status != "length":
+            self._record(r, edge.index, status, None, None)
+            return
+        n = len(r.out_ids)
+        ttft = r.first_token_at - r.arrival + self.cfg.network.rtt_s
+        tpot = (now - r.first_token_at) / (n - 1) if n > 1 else 0.0
+        edge.finished += 1
+        ok = meets_slo(True, ttft, tpot, r.ttft_slo, r.tpot_slo)
+        edge.met += ok
+        self.out.append(Served(r.index, r.point, edge.index, status, ttft, tpot, r.adapter.version, ok))
+
+    def _record(self, r: SimRequest, edge: int, status: str, ttft, tpot) -> None:
+        self.out.append(Served(r.index, r.point, edge, status, ttft, tpot, -1, False))
+
+    # ------------------------------------------------------------------ the router's view
+    def _init_columns(self) -> None:
+        S = len(self.serving)
+        self._row = {e.name: k for k, e in enumerate(self.serving)}
+        self.names = [e.name for e in self.serving]
+        self.outstanding = np.zeros(S)
+        self.last_sent = np.zeros(S)
+        z = np.zeros(S)
+        cfg = self.cfg
+        self.scr = {"outstanding_at": z.copy(), "queue": np.full(S, np.nan), "running": np.full(S, np.nan),
+                    "max_running": np.array([e.p.max_running for e in self.serving], float),
+                    **{f"c{i}": np.array([e.p.belief()[i] for e in self.serving]) for i in range(4)},
+                    "ttft_target": np.full(S, cfg.ttft_ms / 1000), "tpot_target": np.full(S, cfg.tpot_ms / 1000),
+                    "training": np.zeros(S, bool), "busy": z.copy(), "spare": np.ones(S), "finish_rate": z.copy(),
+                    "budget": np.array([e.p.step_token_budget for e in self.serving], float),
+                    "safety": np.full(S, cfg.slo_safety), "share": z.copy()}
+        self.scraped_at = np.full(S, -np.inf)
+
+    def _columns(self, now: float) -> fleet.Columns:
+        d = self.scr
+        fresh = now - self.scraped_at <= self.stale_after
+        if not fresh.all():
+            d = dict(d)
+            for k, blank in (("outstanding_at", 0.0), ("queue", np.nan), ("running", np.nan), ("training", False),
+                             ("busy", 0.0), ("spare", 1.0), ("finish_rate", 0.0), ("share", 0.0)):
+                d[k] = np.where(fresh, d[k], blank)
+        return fleet.Columns(names=self.names, outstanding=self.outstanding.copy(), unused=now - self.last_sent,
+                             **{"outstanding_at": d["outstanding_at"], "queue": d["queue"], "running": d["running"],
+                                "max_running": d["max_running"], "c0": d["c0"], "c1": d["c1"], "c2": d["c2"],
+                                "c3": d["c3"], "ttft_target": d["ttft_target"], "tpot_target": d["tpot_target"],
+                                "training": d["training"], "busy": d["busy"], "spare": d["spare"],
+                                "finish_rate": d["finish_rate"], "budget": d["budget"], "safety": d["safety"],
+                                "share": d["share"]})
+
+    def _tick(self, now: float) -> None:
+        """Telemetry windows, and the router's polls due this tick."""
+        E = self.edges
+        busy = np.fromiter((e.busy_s for e in E), float, len(E))
+        train = np.fromiter((e.train_s for e in E), float, len(E))
+        beside = np.fromiter((e.beside_s for e in E), float, len(E))
+        fin = np.fromiter((e.finished for e in E), float, len(E))
+        met = np.fromiter((e.met for e in E), float, len(E))
+        self._history.append((now, busy, train, beside, fin, met))
+        while self._history and self._history[0][0] < now - WINDOW_S:
+            self._history.pop(0)
+        self._tick_no += 1
+        if self.serving:
+            k = self._tick_no % self.poll_every
+            rows = range(k, len(self.serving), self.poll_every)
+            w = self.window(now)
+            for j in rows:
+                e = self.serving[j]
+                i = e.index
+                d = self.scr
+                d["outstanding_at"][j] = self.outstanding[j]
+                d["queue"][j], d["running"][j] = len(e.waiting), len(e.running)
+                d["training"][j] = w["train"][i] > 0
+                d["busy"][j] = w["beside"][i] / w["span"]
+                d["spare"][j] = w["spare"][i]
+                d["finish_rate"][j] = w["fin"][i] / w["span"]
+                d["share"][j] = w["train"][i] / w["span"]
+                self.scraped_at[j] = now
+        self.push(now + self.cfg.router.interval_s, TICK)
+
+    def window(self, now: float) -> dict:
+        """Each edge's telemetry over the last WINDOW_S seconds (what its /metrics and load report say)."""
+        t0, busy0, train0, beside0, fin0, met0 = self._history[0]
+        t1, busy1, train1, beside1, fin1, met1 = self._history[-1]
+        span = max(min(WINDOW_S, now - t0), 1e-6)
+        fin = fin1 - fin0
+        with np.errstate(invalid="ignore", divide="ignore"):
+            att = np.where(fin > 0, (met1 - met0) / fin, np.nan)
+        return {"span": span, "spare": np.clip(1.0 - (busy1 - busy0) / span, 0.0, 1.0), "train": train1 - train0,
+                "beside": beside1 - beside0, "fin": fin, "attainment": att}
+
+    def _train_tokens(self) -> int:
+        return sum(e.train_tokens for e in self.edges)
+
+    # ------------------------------------------------------------------ rounds
+    def _server(self, phase: int, now: float) -> None:
+        f = self.cfg.federation
+        if phase == 0:  # QUERY: load reports
+            if len(self.rounds) >= f.rounds:
+                return
+            self.round = RoundLog(len(self.rounds) + 1, now)
+            self.rounds.append(self.round)
+            self.push(now + self.cfg.network.exchange_s, SERVER, 1)
+        elif phase == 1:  # the balancer, then TRAIN
+            w = self.window(now) if self._history else None
+            reports = [self._report(e, w) for e in self.trainers]
+            decisions = self.balance(reports, self.params)
+            by_name = {e.name: e for e in self.trainers}
+            self._pending = set()
+            for d in decisions:
+                if d.take_part and d.budget_tokens > 0:
+                    e = by_name[d.name]
+                    self.round.took_part.append(d.name)
+                    self._pending.add(e.index)
+                    e.queue_job(SimJob("train", e.p, d.budget_tokens, d.deadline_s, self.cfg.finish_grace,
+                                       on_done=self._trained, carry_after=self.cfg.carry_between_rounds), now)
+            if not self._pending:
+                self.push(now + self.idle_wait_s, SERVER, 0)
+        elif phase == 2:  # aggregate, then EVALUATE on every training edge
+            rl = self.round
+            if rl.tokens <= 0:
+                self.push(now + self.idle_wait_s, SERVER, 0)
+                return
+            before = self.cfg.quality.loss(self.tokens_aggregated)
+            self.tokens_aggregated += rl.tokens
+            rl.loss = self.cfg.quality.loss(self.tokens_aggregated)
+            self._last_gain = (before - rl.loss) / (rl.tokens / 1000.0)
+            self.version += 1
+            rl.aggregated_at = now
+            self._pending = set()
+            n_mb = math.ceil(self.cfg.eval_records / self.trainers[0].p.eval_batch)
+            for e in self.trainers:
+                self._pending.add(e.index)
+                e.queue_job(SimJob("eval", e.p, n_mb * e.p.eval_tokens, on_done=self._evaluated), now)
+        elif phase == 3:  # the round is done: isolated's serving half loads the new global
+            rl = self.round
+            rl.swapped_at = now
+            if self.mode == "isolated":
+                self._reload = (self.version, rl.loss)
+                self.push(now + self.cfg.network.reload_s, SERVER, 4)
+            self.push(now, SERVER, 0)
+        elif phase == 4:
+            version, loss = self._reload
+            for e in self.serving:
+                e.set_version(version)
+            self.losses.append((now, version, loss))
+
+    def _trained(self, edge: SimEdge, job: SimJob, now: float) -> None:
+        if edge.index in self._pending:
+            self._pending.discard(edge.index)
+            self.round.tokens += job.tokens
+            if not self._pending:
+                self.push(now + self.cfg.network.exchange_s, SERVER, 2)
+
+    def _evaluated(self, edge: SimEdge, job: SimJob, now: float) -> None:
+        if self.mode != "isolated" and edge.serves:
+            edge.set_version(self.version)  # collm: the edge serves the new global once its evaluation passed
+            if edge is self.trainers[0]:
+                self.losses.append((now, self.version, self.round.loss))
+        if edge.index in self._pending:
+            self._pending.discard(edge.index)
+            if not self._pending:
+                self.push(now + self.cfg.network.exchange_s, SERVER, 3)
+
+    def _report(self, e: SimEdge, w: dict | None) -> LoadReport:
+        i = e.index
+        if w is None:
+            spare, att, rate = 1.0, None, 0.0
+        else:
+            spare, rate = float(w["spare"][i]), float(w["fin"][i] / w["span"])
+            att = None if math.isnan(w["attainment"][i]) else float(w["attainment"][i])
+        return LoadReport(e.name, rate, att, spare, float(len(e.waiting)), float(len(e.running)),
+                          self.cfg.train_examples, self._last_gain, e.p.idle_train_tokens_per_s,
+                          carried_tokens=e.carried_tokens())

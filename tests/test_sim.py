@@ -1,0 +1,241 @@
+"""collm-sim: CoLLM's own policy code on simulated edges (collm/sim).
+
+Deterministic cost profiles (a hand-written profile with no noise) pin the mechanics; the same
+policy objects are shown to steer both a real engine and the simulator; a 2-edge run of a fixed
+trace is reproducible bit for bit; `collm-edge --profile` writes a profile the simulator loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collm.common.errors import UserError
+from collm.common.traces import TraceRequest
+from collm.edge_client.engine import co_schedule
+from collm.sim import edge as sim_edge
+from collm.sim.config import SimConfig
+from collm.sim.profile import SCHEMA, EdgeProfile, from_dict, load_profile, shipped
+from collm.sim.run import simulate
+from collm.sim.world import World
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fixed_profile(**kw) -> EdgeProfile:
+    """Step = 10 ms + 5 ms per decoding sequence + 1 ms per prefill token; a 1 s training micro-batch
+    of 100 tokens in 10 units; a 0.5 s evaluation micro-batch of 4 records in 5 units; no noise."""
+    p = EdgeProfile("fixed", (0.010, 0.005, 0.001, 0.0), 0.0, 0.0, max_running=4, step_token_budget=64,
+                    max_context=512, max_queue=64, train_tokens=100, train_s=1.0, train_units=10,
+                    eval_tokens=200, eval_s=0.5, eval_units=5, eval_batch=4)
+    return dataclasses.replace(p, **kw)
+
+
+def cfg(**kw) -> SimConfig:
+    base = {"ttft_ms": 1000, "tpot_ms": 100, "warmup_s": 0.0, "federation": {"round_deadline_s": 5,
+            "round_token_budget": 2000}, "network": {"exchange_s": 0.1}, "load": {"drain_s": 0}}
+    base.update(kw)
+    return SimConfig.model_validate(base)
+
+
+def world(c: SimConfig, mode: str, n: int = 2, profile: EdgeProfile | None = None, seed: int = 0) -> World:
+    return World(c, mode, [profile or fixed_profile()] * n, seed)
+
+
+def test_one_request_alone_costs_its_prefill_then_one_step_per_token():
+    c = cfg()
+    w = world(c, "serve-only", 1)
+    w.run([[TraceRequest(0.0, 30, 5)]], 0.0, 0.0)
+    (s,) = w.out
+    prompt = 30 + c.router.prompt_overhead_tokens  # the chat template's tokens
+    prefill = 0.010 + 0.001 * prompt  # one step: the prompt fits the 64-token budget
+    assert s.ttft_s == pytest.approx(prefill + c.network.rtt_s)
+    assert s.tpot_s == pytest.approx(0.015)  # 4 decode steps of one sequence
+    assert s.met and s.status == "length"
+
+
+def test_decode_runs_fast_forwarded_equal_step_by_step(monkeypatch):
+    """Fast-forwarding a decode run (one event up to the next finish, cut by arrivals) gives the
+    same per-request times as stepping one step at a time."""
+    c = cfg()
+    reqs = [TraceRequest(0.03 * i, 10 + 7 * (i % 5), 3 + i % 9) for i in range(60)]
+
+    def times():
+        w = world(c, "serve-only", 2)
+        w.run([reqs], 0.0, 0.0)
+        return sorted((s.index, s.status, round(s.ttft_s, 9), round(s.tpot_s, 9)) for s in w.out)
+
+    fast = times()
+    monkeypatch.setattr(sim_edge.SimEdge, "_start_serving", _one_step_at_a_time)
+    slow = times()
+    assert fast == slow and len(fast) == 60 and {s for _, s, _, _ in fast} == {"length"}
+
+
+def _one_step_at_a_time(self, now):
+    running = self.running
+    segs = sim_edge.plan_step(running, self.p.step_token_budget)
+    by_slot = {r.slot: r for r in running}
+    prefilling = {s.slot for s in segs if not by_slot[s.slot].decoding}
+    shape = sim_edge.step_shape(segs, prefilling)
+    dt = self.p.step_s(shape.decode, shape.prefill, shape.attended)
+    self.act = (sim_edge.STEP, now, now + dt, (segs, prefilling, by_slot, dt))
+    self._schedule(now + dt)
+
+
+def test_an_idle_edge_trains_back_to_back_and_an_arrival_waits_only_for_the_unit_in_flight():
+    c = cfg(federation={"round_deadline_s": 100, "round_token_budget": 100_000, "rounds": 1})
+    w = world(c, "collm", 1)
+    # the round's job starts after the QUERY exchange (0.1 s); a request arrives at 2.05 s
+    w.run([[TraceRequest(2.05, 10, 2)]], 0.0, 0.0)
+    (s,) = w.out
+    e = w.edges[0]
+    # units of 0.1 s from 0.1 s: the unit in flight ends at 2.1 s, then the request is served
+    prefill = 0.010 + 0.001 * (10 + c.router.prompt_overhead_tokens)
+    assert s.ttft_s == pytest.approx(0.05 + prefill + c.network.rtt_s)
+    assert e.train_tokens == 200  # two whole micro-batches by 2.1 s; the third one's first unit waits, kept
+    assert e.job is not None and e.job.unit_in_mb == 0 and e.beside_s == 0.0
+
+
+def test_the_naive_policy_runs_a_micro_batch_after_every_step():
+    c = cfg(federation={"round_deadline_s": 100, "round_token_budget": 100_000, "rounds": 1})
+    w = world(c, "colocated-naive", 1)
+    w.run([[TraceRequest(2.0, 10, 4)]], 0.0, 0.0)
+    (s,) = w.out
+    assert s.tpot_s > 0.9  # each of its decode steps waits for a whole 1 s micro-batch
+    assert not s.met and w.edges[0].beside_s > 0
+
+
+def test_rounds_aggregate_swap_and_quality_follows_the_curve():
+    c = cfg(federation={"round_deadline_s": 3, "round_token_budget": 2000, "rounds": 3})
+    w = world(c, "collm", 2)
+    w.run([[TraceRequest(40.0 + i, 10, 3) for i in range(5)]], 0.0, 0.0)
+    done = [r for r in w.rounds if r.aggregated_at is not None]
+    assert len(done) == 3 and all(r.tokens > 0 for r in done)
+    assert w.version == 3 and all(e.version.version == 3 for e in w.edges)
+    losses = [r.loss for r in done]
+    assert losses == sorted(losses, reverse=True) and losses[-1] == c.quality.loss(w.tokens_aggregated)
+    assert {s.version for s in w.out} == {3}  # the requests came after the last swap
+
+
+def test_isolated_trains_on_half_and_serves_the_new_global_after_reloading_it():
+    c = cfg(federation={"round_deadline_s": 3, "round_token_budget": 2000, "rounds": 2})
+    w = world(c, "isolated", 2)
+    w.run([[TraceRequest(30.0, 10, 3)]], 0.0, 0.0)
+    serve, train = w.edges
+    assert serve.train_tokens == 0 and train.train_tokens > 0 and serve.busy_s > 0 and train.busy_s == 0
+    assert serve.version.version == 2 and w.out[0].edge == serve.index
+
+
+def test_same_policy_objects_steer_the_engine_and_the_simulator(monkeypatch):
+    """Change the co-execution rule once (WorkConserving.verdict): a real engine and the simulator
+    both stop training in idle time; the balancer the strategy and the simulator look up is one entry."""
+    from collm.server import balancer
+    from tests.helpers import tiny_engine
+    from collm.edge_client.training.jobs import TrainBudget
+
+    def sim_tokens():
+        w = world(cfg(federation={"round_deadline_s": 5, "round_token_budget": 2000, "rounds": 1}), "collm", 1)
+        w.run([[TraceRequest(8.0, 10, 2)]], 0.0, 0.0)
+        return w.edges[0].train_tokens
+
+    def engine_tokens():
+        eng = tiny_engine()
+        try:
+            return eng.train(TrainBudget(tokens=200, deadline_s=1.5)).result(timeout=60).tokens
+        finally:
+            eng.stop()
+
+    assert sim_tokens() > 0 and engine_tokens() > 0
+    refuse = lambda self, load, unit_s: co_schedule.Verdict(False, "busy-share-off")  # noqa: E731
+    monkeypatch.setattr(co_schedule.WorkConserving, "verdict", refuse)
+    assert sim_tokens() == 0 and engine_tokens() == 0
+
+    calls = []
+
+    def nobody(reports, params):
+        calls.append(len(reports))
+        return [balancer.Decision(r.name, False, 0, 0.0, "test") for r in reports]
+
+    monkeypatch.setitem(balancer.BALANCERS, "slo", nobody)
+    w = world(cfg(federation={"round_deadline_s": 2, "round_token_budget": 2000, "rounds": 1}), "collm", 2)
+    w.run([[TraceRequest(5.0, 10, 2)]], 0.0, 0.0)
+    assert calls == [2] and w.rounds[0].took_part == []
+
+
+def test_a_two_edge_simulation_of_a_fixed_trace_is_deterministic():
+    c = SimConfig.model_validate({"devices": [{"profile": "smollm2-cpu1"}], "warmup_s": 10,
+                                  "federation": {"rounds": 3}})
+    from collm.sim.run import load_requests
+    from collm.common.traces import trace_segment
+
+    seg = trace_segment(load_requests(c), 2.0, 60, 100)
+    a = simulate(c, "collm", 2, [seg], [{"fraction": 0.7}], seed=3)
+    b = simulate(c, "collm", 2, [seg], [{"fraction": 0.7}], seed=3)
+    other = simulate(c, "collm", 2, [seg], [{"fraction": 0.7}], seed=4)
+    strip = lambda r: json.dumps({k: v for k, v in r.items() if k != "sim_seconds"}, sort_keys=True)  # noqa: E731
+    assert strip(a) == strip(b)
+    assert strip(a) != strip(other)  # the seed reaches the noise and the router's draws
+    assert a["points"][0]["requests"] == 120 and a["rounds_completed"] >= 1
+
+
+def test_profiles_load_scale_and_refuse_bad_files(tmp_path):
+    assert {"smollm2-cpu1", "tiny-load-cpu1"} <= set(shipped())
+    p = load_profile("smollm2-cpu1")
+    fast = load_profile("smollm2-cpu1", speed=4.0)
+    assert fast.step_s(2, 0, 300) == pytest.approx(p.step_s(2, 0, 300) / 4)
+    assert fast.train_s == pytest.approx(p.train_s / 4) and fast.max_running == p.max_running
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(UserError, match="expected schema"):
+        load_profile(str(bad))
+    with pytest.raises(UserError, match="not a shipped profile"):
+        load_profile("no-such-device")
+    d = json.loads((ROOT / "sim/profiles/smollm2-cpu1.json").read_text())
+    del d["engine"]["max_running"]
+    with pytest.raises(UserError, match="missing field 'max_running'"):
+        from_dict(d, "x")
+
+
+def test_collm_edge_profile_writes_a_profile_the_simulator_runs_on(tmp_path):
+    out = tmp_path / "tiny.json"
+    cfg_path = tmp_path / "edge.yaml"
+    cfg_path.write_text((ROOT / "configs/edge-tiny.yaml").read_text() + f"state_dir: {tmp_path / 'state'}\n")
+    r = subprocess.run([sys.executable, "-m", "collm.edge_client", "--config", str(cfg_path), "--profile", str(out),
+                        "--profile-reps", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert d["schema"] == SCHEMA and len(d["step"]["samples"]) >= 10 and d["train_microbatch"]["units"] > 1
+    p = load_profile(str(out))
+    assert p.step_s(4, 0, 400) > p.step_s(1, 0, 100) > 0 and p.idle_train_tokens_per_s > 0
+    w = World(cfg(), "collm", [p, p], 0)
+    w.run([[TraceRequest(0.5 * i, 20, 4) for i in range(10)]], 0.0, 0.0)
+    assert len(w.out) == 10 and all(s.status == "length" for s in w.out)
+
+
+def test_collm_sim_cli_writes_the_bench_report_and_names_bad_fields(tmp_path):
+    conf = tmp_path / "sim.yaml"
+    conf.write_text(f"""edges: 2
+devices: [{{profile: smollm2-cpu1}}]
+capacity: {{start_rate: 0.8, refine: 1, probe_s: 60, min_requests: 60}}
+load: {{fractions: [0.3, 1.0], seconds: 60, min_requests: 60}}
+sweep: {{fleet_sizes: [10], fractions: [0.8]}}
+out: {tmp_path / 'out'}
+""")
+    r = subprocess.run([str(Path(sys.executable).parent / "collm-sim"), "--config", str(conf)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "out/results.json").read_text())
+    assert set(res["modes"]) == {"collm", "isolated", "colocated-naive", "serve-only"}
+    assert res["capacity"]["rate"] > 0 and res["ratios"]["collm/isolated"][0]["ci"][0] is not None
+    assert res["sweep"][0]["edges"] == 10 and "collm/isolated" in res["sweep"][0]
+    md = (tmp_path / "out/report.md").read_text()
+    assert md.startswith("# collm-sim report") and "Fleet-size sweep" in md
+    conf.write_text("edges: 3\nmodes: [isolated]\n")
+    r = subprocess.run([str(Path(sys.executable).parent / "collm-sim"), "--config", str(conf)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "edges must be even" in r.stderr
