@@ -23,11 +23,24 @@ def percentile(values, q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (x - lo)
 
 
+LARGE = 5000  # rows: beyond this, resample by counts of distinct rows (same distribution, bounded memory)
+
+
 def _resampled_sums(columns: Sequence[Sequence[float]], resamples: int, seed: int) -> list[np.ndarray]:
-    """Sums of each column over the same `resamples` bootstrap resamples of the rows (paired)."""
+    """Sums of each column over the same `resamples` bootstrap resamples of the rows (paired).
+
+    Above LARGE rows with few distinct rows (per-request SLO flags: at most 4 kinds of pair), a
+    bootstrap resample is a multinomial draw of how often each distinct row is taken, so the sums
+    are drawn that way: the same distribution as index resampling, without an n x resamples array."""
     arrays = [np.asarray(c, dtype=float) for c in columns]
     n = len(arrays[0])
-    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    rng = np.random.default_rng(seed)
+    if n > LARGE:
+        rows, counts = np.unique(np.stack(arrays, axis=1), axis=0, return_counts=True)
+        if len(rows) <= 64:
+            taken = rng.multinomial(n, counts / n, size=resamples)  # resamples x distinct rows
+            return [taken @ rows[:, j] for j in range(len(arrays))]
+    idx = rng.integers(0, n, size=(resamples, n))
     return [a[idx].sum(axis=1) for a in arrays]
 
 

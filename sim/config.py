@@ -50,6 +50,8 @@ class RouterSim(Strict):
 
     interval_s: float = Field(0.5, gt=0, description="health.interval_s")
     max_polls_per_s: float = Field(100.0, gt=0, description="health.max_polls_per_s (staggered polling)")
+    shards: int = Field(1, ge=1, description="routers in front of the fleet, each routing to its own 1/shards of "
+                        "the edges; arrivals go to them in turn (a front load balancer)")
     admission: bool = True
     admission_margin: float = Field(1.0, ge=1.0)
     prompt_overhead_tokens: int = Field(10, ge=0, description="tokens the chat template adds to a trace prompt "

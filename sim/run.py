@@ -91,6 +91,16 @@ def _seconds(seconds: float, rate: float, max_requests: int | None) -> float:
     return min(seconds, max_requests / rate) if max_requests else seconds
 
 
+def for_fleet(cfg: SimConfig, n_edges: int) -> SimConfig:
+    """`cfg` on `n_edges` edges with the same training budget per edge (federation.round_token_budget
+    is the budget of `cfg.edges` edges)."""
+    if n_edges == cfg.edges:
+        return cfg
+    f = cfg.federation
+    return cfg.model_copy(update={"federation": f.model_copy(update={
+        "round_token_budget": max(1, round(f.round_token_budget * n_edges / cfg.edges))})})
+
+
 def capacity(cfg: SimConfig, reqs, n_edges: int, seed: int, max_requests: int | None = None) -> dict:
     c = cfg.capacity
     if c.rate:
@@ -114,6 +124,7 @@ def run_fleet(cfg: SimConfig, n_edges: int, seed: int, bar=None, max_requests: i
     this many requests per probe and point (large fleets: a shorter stretch of arrivals)."""
     reqs = load_requests(cfg)
     t0 = time.perf_counter()
+    cfg = for_fleet(cfg, n_edges)
     cap = capacity(cfg, reqs, n_edges, seed, max_requests)
     fractions = cfg.load.fractions
     point_reqs = [trace_segment(reqs, f * cap["rate"], _seconds(cfg.load.seconds, f * cap["rate"], max_requests),
@@ -175,7 +186,7 @@ def fleet_needed(cfg: SimConfig, rate: float, bar) -> dict:
     out = {}
     for mode in cfg.modes:
         def ok(n: int) -> bool:
-            r = simulate(cfg, mode, n, [seg], [{"fraction": 0}], cfg.seed)
+            r = simulate(for_fleet(cfg, n), mode, n, [seg], [{"fraction": 0}], cfg.seed)
             return r["points"][0]["slo_attainment"] >= target
 
         lo, hi = 2, 2

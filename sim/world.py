@@ -117,6 +117,9 @@ class World:
         self.poll_every = max(1, math.ceil(S / (r.max_polls_per_s * r.interval_s)))  # ticks between an edge's polls
         self.stale_after = max(5.0, 2 * self.poll_every * r.interval_s)
         self._init_columns()
+        per_router = math.ceil(S / self.shards) if S else 0  # each router polls its own edges
+        self.poll_every = max(1, math.ceil(per_router / (r.max_polls_per_s * r.interval_s)))
+        self.stale_after = max(5.0, 2 * self.poll_every * r.interval_s)
         self.out: list[Served] = []
         self.rounds: list[RoundLog] = []
         self.version = 0
@@ -202,8 +205,8 @@ class World:
         p = tr.prompt_tokens + cfg.router.prompt_overhead_tokens
         r = SimRequest(i, self._point, now, p, tr.output_tokens, cfg.ttft_ms / 1000, cfg.tpot_ms / 1000)
         x = RequestView(tr.prompt_tokens + 8, tr.output_tokens, r.ttft_slo, r.tpot_slo)
-        c = self._columns(now)
-        d = fleet.choose(self.policy, c, x, self.rng, self.counter, self.assumptions)
+        c = self._columns(now, self.counter % self.shards)
+        d = fleet.choose(self.policy, c, x, self.rng, self.counter // self.shards, self.assumptions)
         self.counter += 1
         if self.policy == "slo" and cfg.router.admission and unattainable(d, cfg.router.admission_margin):
             self._record(r, -1, "refused", None, None)
@@ -251,16 +254,28 @@ class World:
                     "budget": np.array([e.p.step_token_budget for e in self.serving], float),
                     "safety": np.full(S, cfg.slo_safety), "share": z.copy()}
         self.scraped_at = np.full(S, -np.inf)
+        self.shards = min(self.cfg.router.shards, max(S, 1))
+        self._shard_rows = [np.arange(k, S, self.shards) for k in range(self.shards)]
+        self._shard_names = [[self.names[j] for j in rows] for rows in self._shard_rows]
 
-    def _columns(self, now: float) -> fleet.Columns:
-        d = self.scr
-        fresh = now - self.scraped_at <= self.stale_after
+    def _columns(self, now: float, shard: int = 0) -> fleet.Columns:
+        """The rule's input: the serving edges' last scrapes (older than stale_after: only the router's
+        own counts), as `FleetTable.columns` gives them; with router.shards > 1, one shard's edges."""
+        if self.shards > 1:
+            rows = self._shard_rows[shard]
+            d = {k: v[rows] for k, v in self.scr.items()}
+            return self._as_columns(d, self._shard_names[shard], self.outstanding[rows],
+                                    now - self.last_sent[rows], now - self.scraped_at[rows] <= self.stale_after)
+        return self._as_columns(self.scr, self.names, self.outstanding.copy(), now - self.last_sent,
+                                now - self.scraped_at <= self.stale_after)
+
+    def _as_columns(self, d: dict, names: list[str], outstanding, unused, fresh) -> fleet.Columns:
         if not fresh.all():
             d = dict(d)
             for k, blank in (("outstanding_at", 0.0), ("queue", np.nan), ("running", np.nan), ("training", False),
                              ("busy", 0.0), ("spare", 1.0), ("finish_rate", 0.0), ("share", 0.0)):
                 d[k] = np.where(fresh, d[k], blank)
-        return fleet.Columns(names=self.names, outstanding=self.outstanding.copy(), unused=now - self.last_sent,
+        return fleet.Columns(names=names, outstanding=outstanding, unused=unused,
                              **{"outstanding_at": d["outstanding_at"], "queue": d["queue"], "running": d["running"],
                                 "max_running": d["max_running"], "c0": d["c0"], "c1": d["c1"], "c2": d["c2"],
                                 "c3": d["c3"], "ttft_target": d["ttft_target"], "tpot_target": d["tpot_target"],
