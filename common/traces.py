@@ -8,6 +8,7 @@ multiplies token counts, `max_*`/`min_*` clip them, and `start_s`/`duration_s` s
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -117,8 +118,6 @@ def at_rate(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
 def trace_segment(requests: list[TraceRequest], rate: float, seconds: float, min_requests: int) -> list[TraceRequest]:
     """The first max(min_requests, rate * seconds) requests of `requests` at mean rate `rate` (the
     trace repeats if it is shorter), bursts kept: collm-bench's load points and probes, and collm-sim's."""
-    import math
-
     n = max(min_requests, math.ceil(rate * seconds), 2)
     span = requests[-1].arrival_s + 1.0
     reqs = [TraceRequest(r.arrival_s + (i // len(requests)) * span, r.prompt_tokens, r.output_tokens)

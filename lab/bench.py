@@ -50,7 +50,7 @@ from collm.common.data import Record, categories, load_records, partition_by_cat
 from collm.common.errors import UserError, cli_entry
 from collm.common.procs import BIN_DIR
 from collm.common.stats import mean_ci
-from collm.common.traces import TraceRequest, TraceScaling, load_trace, trace_segment
+from collm.common.traces import TraceRequest, trace_segment
 from collm.lab.bench_config import BenchConfig
 from collm.lab.loadgen import Outcome, Planned, replay, summarize
 from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
@@ -87,14 +87,8 @@ class Workload:
     """
 
     def __init__(self, cfg: BenchConfig):
-        t = cfg.trace
         self.cfg = cfg
-        self.requests = load_trace(t.path, TraceScaling(
-            token_scale=t.token_scale, max_prompt_tokens=t.max_prompt_tokens, max_output_tokens=t.max_output_tokens,
-            min_output_tokens=t.min_output_tokens, start_s=t.start_s))
-        if len(self.requests) < 2:
-            raise UserError(f"trace {t.path or '(shipped)'} from {t.start_s:g} s holds {len(self.requests)} "
-                            "request(s); a benchmark needs at least 2: lower trace.start_s")
+        self.requests = cfg.trace.load()
         self.prompts = PromptMaker(load_records()[::7])
 
     def segment(self, rate: float, seconds: float, min_requests: int) -> list[TraceRequest]:

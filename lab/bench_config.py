@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from collm.common.config import Strict
+from collm.common.errors import UserError
+from collm.common.traces import TraceRequest, TraceScaling, load_trace
 
 MODES = ("collm", "isolated", "colocated-naive", "serve-only")
 
@@ -20,6 +22,23 @@ class TraceConfig(Strict):
     max_prompt_tokens: int = Field(256, ge=8)
     max_output_tokens: int = Field(32, ge=1)
     min_output_tokens: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> TraceConfig:
+        if self.min_output_tokens > self.max_output_tokens:
+            raise ValueError("trace.min_output_tokens must not exceed trace.max_output_tokens")
+        return self
+
+    def load(self) -> list[TraceRequest]:
+        """The trace's requests as these knobs scale them (collm-bench's workload, collm-sim's); a
+        one-line error if fewer than 2 are left."""
+        reqs = load_trace(self.path, TraceScaling(
+            token_scale=self.token_scale, max_prompt_tokens=self.max_prompt_tokens,
+            max_output_tokens=self.max_output_tokens, min_output_tokens=self.min_output_tokens, start_s=self.start_s))
+        if len(reqs) < 2:
+            raise UserError(f"trace {self.path or '(shipped)'} from {self.start_s:g} s holds {len(reqs)} "
+                            "request(s); a benchmark needs at least 2: lower trace.start_s")
+        return reqs
 
 
 class CapacityConfig(Strict):
@@ -87,6 +106,4 @@ class BenchConfig(Strict):
     def _check(self) -> BenchConfig:
         if "isolated" in self.modes and self.replicas % 2:
             raise ValueError("replicas must be even when 'isolated' is a mode (half serve, half train)")
-        if self.trace.min_output_tokens > self.trace.max_output_tokens:
-            raise ValueError("trace.min_output_tokens must not exceed trace.max_output_tokens")
         return self

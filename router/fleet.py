@@ -24,6 +24,10 @@ from collm.router.policy import POLICIES, Assumptions, Decision, EdgeView, Estim
 from collm.router.state import MIRRORED
 
 DEFAULT_COEF = EdgeView("", 0).step_coef  # what the rule assumes of an edge never scraped
+# What a row without a fresh scrape says about the edge's load (only the router's own counts stay):
+# FleetTable's stale rows, and collm-sim's.
+UNSCRAPED = {"outstanding_at": 0.0, "queue": np.nan, "running": np.nan, "training": False, "busy": 0.0,
+             "spare": 1.0, "finish_rate": 0.0, "share": 0.0}
 
 
 @dataclass(frozen=True)
@@ -160,10 +164,8 @@ class FleetTable:
         self.last_sent = np.zeros(N)
         self.at = np.full(N, -np.inf)
         self.blank = {  # a row never scraped: the router's defaults (EdgeState.view with no scrape)
-            "outstanding_at": 0.0, "queue": np.nan, "running": np.nan, "max_running": float(default_max_running),
-            **{f"c{i}": DEFAULT_COEF[i] for i in range(4)}, "ttft_target": ttft_target_s,
-            "tpot_target": tpot_target_s, "training": False, "busy": 0.0, "spare": 1.0, "finish_rate": 0.0,
-            "budget": np.nan, "safety": np.nan, "share": 0.0}
+            **UNSCRAPED, "max_running": float(default_max_running), **{f"c{i}": DEFAULT_COEF[i] for i in range(4)},
+            "ttft_target": ttft_target_s, "tpot_target": tpot_target_s, "budget": np.nan, "safety": np.nan}
         self.data = {k: np.full(N, v, dtype=bool if isinstance(v, bool) else float) for k, v in self.blank.items()}
         for i, e in enumerate(edges):
             self.attach(i, e)
@@ -223,7 +225,7 @@ class FleetTable:
         d = {k: v[idx] for k, v in self.data.items()}  # views when whole: never written below
         if not fresh.all():
             stale = ~fresh
-            for k in ("outstanding_at", "queue", "running", "training", "busy", "spare", "finish_rate", "share"):
+            for k in UNSCRAPED:
                 d[k] = np.where(stale, self.blank[k], d[k])
         return Columns(names=self.names if whole else self._names[idx].tolist(),
                        outstanding=self.outstanding[idx].copy(), unused=now - self.last_sent[idx], **d)

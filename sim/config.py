@@ -99,6 +99,4 @@ class SimConfig(Strict):
     def _check(self) -> SimConfig:
         if "isolated" in self.modes and self.edges % 2:
             raise ValueError("edges must be even when 'isolated' is a mode (half serve, half train)")
-        if self.trace.min_output_tokens > self.trace.max_output_tokens:
-            raise ValueError("trace.min_output_tokens must not exceed trace.max_output_tokens")
         return self

@@ -45,7 +45,7 @@ class SimRequest:
     """What the planner and the slack guard read of a request (the engine's `Request` fields)."""
 
     __slots__ = ("index", "point", "arrival", "prompt_ids", "prefilled", "out_ids", "slot", "adapter",
-                 "first_token_at", "max_tokens", "ttft_slo", "tpot_slo", "edge")
+                 "first_token_at", "max_tokens", "ttft_slo", "tpot_slo")
 
     def __init__(self, index: int, point: int, arrival: float, prompt_tokens: int, max_tokens: int,
                  ttft_slo: float, tpot_slo: float):
@@ -58,7 +58,6 @@ class SimRequest:
         self.first_token_at: float | None = None
         self.max_tokens = max_tokens
         self.ttft_slo, self.tpot_slo = ttft_slo, tpot_slo
-        self.edge = -1
 
     @property
     def decoding(self) -> bool:
@@ -70,16 +69,14 @@ class SimRequest:
 
 
 class SimJob:
-    """A background job: micro-batches of `units` resumable units each, until `budget_tokens` are
-    trained (or `micro_batches` evaluated), or past `deadline` (+ grace for the one in flight)."""
+    """A background job: micro-batches of `units` resumable units each, until `budget_tokens` input
+    tokens are done, or past `deadline` (+ grace for the one in flight)."""
 
     __slots__ = ("kind", "mb_s", "units", "mb_tokens", "budget_tokens", "deadline_s", "deadline", "grace_s",
-                 "unit_in_mb",
-                 "tokens", "micro_batches", "on_done", "is_carry", "carry_after", "started", "ended",
-                 "deferrals", "deadline_hit")
+                 "unit_in_mb", "tokens", "on_done", "carry_after", "started", "ended")
 
     def __init__(self, kind: str, profile: EdgeProfile, budget_tokens: int, deadline_s: float = math.inf,
-                 finish_grace: float = 0.0, on_done=None, is_carry: bool = False, carry_after: bool = False):
+                 finish_grace: float = 0.0, on_done=None, carry_after: bool = False):
         self.kind = kind
         if kind == "train":
             self.mb_s, self.units, self.mb_tokens = profile.train_s, profile.train_units, profile.train_tokens
@@ -90,11 +87,8 @@ class SimJob:
         self.grace_s = finish_grace * deadline_s if math.isfinite(deadline_s) else 0.0
         self.unit_in_mb = 0  # units of the current micro-batch already run
         self.tokens = 0
-        self.micro_batches = 0
-        self.on_done, self.is_carry, self.carry_after = on_done, is_carry, carry_after
+        self.on_done, self.carry_after = on_done, carry_after
         self.started = self.ended = False
-        self.deferrals = 0
-        self.deadline_hit = False
 
     def start(self, now: float) -> None:
         if not self.started:
@@ -112,26 +106,25 @@ class SimJob:
         mbs = math.ceil((self.budget_tokens - self.tokens) / self.mb_tokens)
         return max(0, mbs * self.units - self.unit_in_mb)
 
-    def units_to_end(self, t0: float) -> tuple[int, bool]:
-        """Units to run from t0 until the job ends (budget, or the deadline rule); and whether it
-        ends by its deadline."""
+    def units_to_end(self, t0: float) -> int:
+        """Units to run from t0 until the job ends: its budget, or the deadline rule (`past_deadline`:
+        no micro-batch starts after the deadline; the one in flight may finish within the grace)."""
         n = self.units_to_budget()
         if math.isinf(self.deadline):
-            return n, False
+            return n
         u = self.unit_s
         n_d = max(0, math.ceil((self.deadline - t0) / u - 1e-9))  # units that start before the deadline
         if n <= n_d:
-            return n, False
+            return n
         left_in_mb = (self.units - (self.unit_in_mb + n_d) % self.units) % self.units
         if t0 + (n_d + left_in_mb) * u <= self.deadline + self.grace_s:
-            return n_d + left_in_mb, True  # the micro-batch in flight finishes within the grace
-        return max(n_d, math.ceil((self.deadline + self.grace_s - t0) / u - 1e-9)), True
+            return n_d + left_in_mb
+        return max(n_d, math.ceil((self.deadline + self.grace_s - t0) / u - 1e-9))
 
     def advance(self, units: int) -> int:
         """Run `units` units; returns the tokens of micro-batches completed."""
         total = self.unit_in_mb + units
         mbs, self.unit_in_mb = divmod(total, self.units)
-        self.micro_batches += mbs
         done = mbs * self.mb_tokens
         self.tokens += done
         return done
@@ -168,7 +161,6 @@ class SimEdge:
         """A request reaches the edge (Engine.submit); False: the queue is full (429)."""
         if len(self.waiting) >= self.p.max_queue + len(self.free):
             return False
-        r.edge = self.index
         self.waiting.append(r)
         self._interrupt(now)
         return True
@@ -193,7 +185,7 @@ class SimEdge:
             ends = data[0]
             m = bisect_left(ends, now)
             if m + 1 < len(ends):
-                self.act = (RUN, start, ends[m], (ends[: m + 1], *data[1:]))
+                self.act = (RUN, start, ends[m], (ends[: m + 1],))
                 self._schedule(ends[m])
         elif kind == TRAIN:
             job, planned, _, beside = data
@@ -324,7 +316,7 @@ class SimEdge:
             self.job = self.jobs.popleft()
             if self.job.kind == "train" and self.carry is not None:
                 c, j = self.carry, self.job
-                j.tokens, j.unit_in_mb, j.micro_batches = c.tokens, c.unit_in_mb, c.micro_batches
+                j.tokens, j.unit_in_mb = c.tokens, c.unit_in_mb
                 self.carry = None
             self.job.start(now)
         elif self.job is None and self.carry is not None and not self.carry.done():
@@ -349,20 +341,19 @@ class SimEdge:
             if job is None:
                 return False
             if job.done() or now >= job.deadline + job.grace_s or (now >= job.deadline and job.unit_in_mb == 0):
-                self._end_job(job, now, deadline_hit=not job.done())
+                self._end_job(job, now)
                 continue
             break
         load = self._serving_load(now)
         v = self.policy.verdict(load, job.unit_s)
         self._stable_refusal = not v.run and v.reason in STABLE_REFUSALS
         if not v.run:
-            job.deferrals += 1
             return False
         if self.policy.whole_passes:  # naive: the rest of the micro-batch at once
             units = job.units - job.unit_in_mb
             kind = PASS
         elif load.idle:  # idle: unit after unit until the job ends or something arrives
-            units, _ = job.units_to_end(now)
+            units = job.units_to_end(now)
             kind = TRAIN
         else:
             units, kind = 1, UNIT
@@ -385,12 +376,12 @@ class SimEdge:
             self.train_tokens += tokens
         if job.done() or now >= job.deadline:
             if job.done() or job.unit_in_mb == 0 or now >= job.deadline + job.grace_s - 1e-9:
-                self._end_job(job, now, deadline_hit=not job.done())
+                self._end_job(job, now)
 
-    def _end_job(self, job: SimJob, now: float, deadline_hit: bool) -> None:
+    def _end_job(self, job: SimJob, now: float) -> None:
         if job.ended:
             return
-        job.ended, job.deadline_hit = True, deadline_hit
+        job.ended = True
         if self.job is job:
             self.job = None
         if job is self.carry:
@@ -399,7 +390,7 @@ class SimEdge:
         if job.on_done is not None:
             job.on_done(self, job, now)
         if job.kind == "train" and job.carry_after:
-            self.carry = SimJob("train", self.p, job.budget_tokens, is_carry=True)
+            self.carry = SimJob("train", self.p, job.budget_tokens)
 
     def carried_tokens(self) -> int:
         return self.carry.tokens if self.carry is not None else 0

@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from collm.common.errors import UserError, cli_entry
+from collm.common.errors import cli_entry
 from collm.common.stats import mean_ci, ratio_ci
-from collm.common.traces import TraceScaling, load_trace, trace_segment
+from collm.common.traces import trace_segment
 from collm.lab.bench import max_sustained_rate, search_capacity, window_span
 from collm.lab.loadgen import Outcome, summarize
 from collm.sim.config import SimConfig
@@ -27,14 +27,7 @@ from collm.sim.world import World, fleet_profiles
 
 
 def load_requests(cfg: SimConfig):
-    t = cfg.trace
-    reqs = load_trace(t.path, TraceScaling(token_scale=t.token_scale, max_prompt_tokens=t.max_prompt_tokens,
-                                           max_output_tokens=t.max_output_tokens,
-                                           min_output_tokens=t.min_output_tokens, start_s=t.start_s))
-    if len(reqs) < 2:
-        raise UserError(f"trace {t.path or '(shipped)'} from {t.start_s:g} s holds {len(reqs)} request(s); "
-                        "lower trace.start_s")
-    return reqs
+    return cfg.trace.load()
 
 
 def point_result(world: World, reqs, span: dict, label: dict, resamples: int) -> dict:
@@ -78,8 +71,6 @@ def simulate(cfg: SimConfig, mode: str, n_edges: int, point_reqs: list, labels: 
     served = [{"t": max(t - first, 0.0) if v else 0.0, "round": v, "loss": loss} for t, v, loss in world.losses]
     return {"mode": mode, "replicas": n_edges, "points": points,
             "rounds_completed": sum(1 for r in world.rounds if r.aggregated_at is not None),
-            "rounds_empty": sum(1 for r in world.rounds if r.aggregated_at is None and r.took_part == []
-                                and r is not world.round),
             "served_loss": served, "final_loss": served[-1]["loss"], "startup_s": 0.0,
             "wall_s": round((spans[-1]["end"] - first) if spans else 0.0, 1),
             "sim_seconds": round(time.perf_counter() - t0, 2), "events": world.seq,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -114,8 +115,6 @@ class World:
         r = cfg.router
         self.assumptions = Assumptions(slo_safety=cfg.slo_safety)
         S = len(self.serving)
-        self.poll_every = max(1, math.ceil(S / (r.max_polls_per_s * r.interval_s)))  # ticks between an edge's polls
-        self.stale_after = max(5.0, 2 * self.poll_every * r.interval_s)
         self._init_columns()
         per_router = math.ceil(S / self.shards) if S else 0  # each router polls its own edges
         self.poll_every = max(1, math.ceil(per_router / (r.max_polls_per_s * r.interval_s)))
@@ -127,7 +126,7 @@ class World:
         self.losses = [(0.0, 0, cfg.quality.loss(0.0))]  # (time, version, loss) of every swap
         self._last_gain: float | None = None
         self._tick_no = 0
-        self._history: list[tuple[float, np.ndarray, np.ndarray, np.ndarray]] = []  # telemetry ring
+        self._history: deque[tuple] = deque()  # (time, busy, train, beside, finished, met) per tick
         bc = BalancerConfig()
         f = cfg.federation
         self.balance = BALANCERS["slo" if mode == "collm" else "uniform"]
@@ -148,7 +147,6 @@ class World:
     def run(self, points: list[list[TraceRequest]], warmup_s: float, drain_s: float) -> dict:
         """Replay `points` one after another (each from when the last one's requests are done, plus
         `drain_s`) after `warmup_s`; rounds run throughout if the mode trains."""
-        cfg = self.cfg
         self.push(0.0, TICK)
         if self.trainers:
             self.push(0.0, SERVER, 0)
@@ -269,19 +267,11 @@ class World:
         return self._as_columns(self.scr, self.names, self.outstanding.copy(), now - self.last_sent,
                                 now - self.scraped_at <= self.stale_after)
 
-    def _as_columns(self, d: dict, names: list[str], outstanding, unused, fresh) -> fleet.Columns:
+    @staticmethod
+    def _as_columns(d: dict, names: list[str], outstanding, unused, fresh) -> fleet.Columns:
         if not fresh.all():
-            d = dict(d)
-            for k, blank in (("outstanding_at", 0.0), ("queue", np.nan), ("running", np.nan), ("training", False),
-                             ("busy", 0.0), ("spare", 1.0), ("finish_rate", 0.0), ("share", 0.0)):
-                d[k] = np.where(fresh, d[k], blank)
-        return fleet.Columns(names=names, outstanding=outstanding, unused=unused,
-                             **{"outstanding_at": d["outstanding_at"], "queue": d["queue"], "running": d["running"],
-                                "max_running": d["max_running"], "c0": d["c0"], "c1": d["c1"], "c2": d["c2"],
-                                "c3": d["c3"], "ttft_target": d["ttft_target"], "tpot_target": d["tpot_target"],
-                                "training": d["training"], "busy": d["busy"], "spare": d["spare"],
-                                "finish_rate": d["finish_rate"], "budget": d["budget"], "safety": d["safety"],
-                                "share": d["share"]})
+            d = {**d, **{k: np.where(fresh, d[k], blank) for k, blank in fleet.UNSCRAPED.items()}}
+        return fleet.Columns(names=names, outstanding=outstanding, unused=unused, **d)
 
     def _tick(self, now: float) -> None:
         """Telemetry windows, and the router's polls due this tick."""
@@ -292,8 +282,8 @@ class World:
         fin = np.fromiter((e.finished for e in E), float, len(E))
         met = np.fromiter((e.met for e in E), float, len(E))
         self._history.append((now, busy, train, beside, fin, met))
-        while self._history and self._history[0][0] < now - WINDOW_S:
-            self._history.pop(0)
+        while self._history[0][0] < now - WINDOW_S:
+            self._history.popleft()
         self._tick_no += 1
         if self.serving:
             k = self._tick_no % self.poll_every

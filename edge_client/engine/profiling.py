@@ -26,22 +26,13 @@ import torch
 
 from collm.edge_client.engine.cost_model import LinearCostModel, step_features
 from collm.edge_client.engine.requests import FinishEvent
+from collm.edge_client.engine.warmup import fastest
 from collm.edge_client.model.runner import Segment
 from collm.edge_client.model.sampling import SamplingParams, make_generator, sample_next
 from collm.edge_client.training.evaluation import EvalJob
 from collm.edge_client.training.layerwise import timed_units
 
 SCHEMA = "collm-profile/1"
-
-
-def _median_time(fn, reps: int) -> float:
-    fn()  # untimed: first-call paths, allocations
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def step_grid(max_running: int, budget: int, max_context: int) -> list[tuple[int, int, int]]:
@@ -76,7 +67,7 @@ def _time_step(engine, decode: int, prefill: int, ctx: int, reps: int) -> tuple[
             sample_next(logits, params, gens)
 
         attended = sum(s.start + len(s.tokens) for s in segs)
-        return _median_time(step, reps), attended
+        return fastest(step, reps, pick=statistics.median), attended
     finally:
         for s in slots:
             pool.release(s)
@@ -146,7 +137,7 @@ def measure_profile(engine, reps: int = 5, progress=print) -> dict:
     def step_s(d: int, p: int, kv: int) -> float:
         return fit.predict(step_features(d, p, kv))
 
-    errors = [abs(fit.predict(step_features(d, p, kv)) - s) / s for d, p, kv, s in samples]
+    errors = [abs(step_s(d, p, kv) - s) / s for d, p, kv, s in samples]
     train = evaluation = None
     t = cfg.training
     if engine.trainer is not None:

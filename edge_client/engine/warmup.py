@@ -26,15 +26,16 @@ STEP_REPS = 3
 PASS_REPS = 2
 
 
-def fastest(fn, reps: int = STEP_REPS) -> float:
-    """The fastest of `reps` timed calls, after one untimed call (allocations, first-call paths)."""
+def fastest(fn, reps: int = STEP_REPS, pick=min) -> float:
+    """The fastest (or `pick` of the) `reps` timed calls, after one untimed call (allocations,
+    first-call paths)."""
     fn()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return min(times)
+    return pick(times)
 
 
 def fastest_units(make_pass, reps: int = PASS_REPS) -> tuple[list[tuple[object, float]], int]:
