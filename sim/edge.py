@@ -233,11 +233,13 @@ class SimEdge:
             return
         B = self.p.step_token_budget
         keep = deque()
+        ahead = sum(r.prefill_left for r in self.running)
         for r in self.waiting:
-            if too_late(now, r.arrival, prefill_time(len(r.prompt_ids), B, self.p.step_s), r.ttft_slo):
+            if too_late(now, r.arrival, prefill_time(ahead + len(r.prompt_ids), B, self.p.step_s), r.ttft_slo):
                 self.world.finished(r, self, now, "expired")
             else:
                 keep.append(r)
+                ahead += len(r.prompt_ids)
         self.waiting = keep
 
     def _admit(self) -> None:

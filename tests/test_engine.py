@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import base_fingerprint, prompt, random_adapter_state, tiny_engine
 
+from collm.edge_client.engine.cost_model import FixedCosts
 from collm.edge_client.engine import FinishEvent, PromptTooLong, QueueFull, TokenEvent
 from collm.edge_client.model.lora import ServingBinding, bind
 from collm.edge_client.model.runner import Segment
@@ -307,6 +308,38 @@ def test_a_request_that_waited_past_its_ttft_is_refused_not_served_late():
         assert eng.telemetry.totals["expired"] == 1
     finally:
         eng.stop()
+
+
+def test_a_waiting_request_behind_queued_prefill_is_refused_sooner():
+    # predicted 0.2 s a step, budget 128, TTFT 500 ms: B (120 tokens) alone needs 1 step, so it is
+    # refused once it has waited 0.3 s; C (20 tokens) behind B needs 2 steps, so after 0.1 s
+    eng = tiny_engine(costs=FixedCosts(0.2, 0.01), engine={"max_running": 1, "shed_late": True,
+                                                            "step_token_budget": 128},
+                      slo={"ttft_ms": 500, "tpot_ms": 1000})
+    got: dict[str, FinishEvent] = {}
+    done = threading.Event()
+
+    def on(name):
+        def f(ev):
+            if isinstance(ev, FinishEvent):
+                got[name] = ev
+                if {"b", "c"} <= set(got):
+                    done.set()
+        return f
+
+    try:
+        hold = SamplingParams(max_tokens=800, temperature=0.0, ignore_eos=True)
+        started = threading.Event()
+        eng.submit(prompt(eng, "hold the slot"), hold, lambda ev: started.set() if isinstance(ev, TokenEvent) else None)
+        assert started.wait(30)
+        b_ids = (prompt(eng, "a long prompt " * 40))[:120]
+        eng.submit(b_ids, SamplingParams(max_tokens=4), on("b"))
+        eng.submit(prompt(eng, "short"), SamplingParams(max_tokens=4), on("c"))
+        assert done.wait(30)
+    finally:
+        eng.stop()
+    assert got["b"].reason == got["c"].reason == "expired"
+    assert got["c"].record.e2e_s < got["b"].record.e2e_s - 0.1, (got["b"].record.e2e_s, got["c"].record.e2e_s)
 
 
 def test_without_shedding_late_requests_are_served():

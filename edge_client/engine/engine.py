@@ -2,7 +2,8 @@
 
 The loop (`Engine._loop`) is the algorithm, in order:
 
-1. take new requests and cancellations from other threads;
+1. take new requests and cancellations from other threads; shed (`engine.shed_late`) a waiting
+   request whose wait plus the prefill ahead of it and its own is past its TTFT target;
 2. admit waiting requests while a KV slot is free, pinning the current serving adapter version;
 3. plan a step (`planner.plan_step`): one decode token per running request, then prefill chunks
    (first come, first served) up to the step token budget;
@@ -326,16 +327,20 @@ class Engine:
 
     def _drop_cancelled(self) -> None:
         """Drop cancelled requests, and (engine.shed_late) waiting ones that can no longer start in time: the
-        wait so far plus their own prefill (cost model) is past their TTFT target."""
+        wait so far plus the prefill queued ahead of them and their own (cost model) is past their TTFT target.
+        Counting only their own prefill let a request behind a burst of prompts wait until it was surely late."""
         now = time.perf_counter()
         shed = self.cfg.engine.shed_late
+        ahead = sum(r.prefill_left for r in self._running)  # prefill that runs before a waiting request's own
         for r in list(self._waiting):
             if r.cancelled:
                 self._waiting.remove(r)
                 self._finish(r, "cancelled")
-            elif shed and too_late(now, r.arrival, self._prefill_s(len(r.prompt_ids)), r.slo.ttft_s):
+            elif shed and too_late(now, r.arrival, self._prefill_s(ahead + len(r.prompt_ids)), r.slo.ttft_s):
                 self._waiting.remove(r)
                 self._finish(r, "expired")
+            else:
+                ahead += len(r.prompt_ids)
         for r in [r for r in self._running if r.cancelled]:
             self._finish(r, "cancelled")
 
