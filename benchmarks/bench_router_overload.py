@@ -16,6 +16,11 @@ load point (a fraction of it) the same trace segment is replayed through each ro
 interval, with the paired ratio to round robin over the same requests. A refused request is a
 miss, like a late one: admission wins only if it spares capacity for requests that can still
 make their SLOs.
+
+`--edges default,no-shed` starts a second set of edges (here with `engine.shed_late: false`) beside
+the first (an idle set costs nothing) and replays every point through both, interleaved, so an
+edge setting's effect is measured in the same run; the capacity is measured on the first set.
+Each row counts why requests missed: refused (429), late first token, or slow tokens after it.
 """
 
 from __future__ import annotations
@@ -33,19 +38,21 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchkit import table  # noqa: E402
 
-from collm.common.config import load_config  # noqa: E402
+from collm.common.config import deep_merge, load_config  # noqa: E402
 from collm.common.stats import ratio_ci  # noqa: E402
 from collm.lab.bench import ModeRun, Workload, find_capacity, interrupt_on_signal, measure  # noqa: E402
 from collm.lab.bench_config import BenchConfig  # noqa: E402
 from collm.common.procs import BIN_DIR  # noqa: E402
 from collm.lab.topology import free_port, wait_http  # noqa: E402
 
+EDGE_VARIANTS = {"default": {},  # the edges as they ship
+                 "no-shed": {"engine": {"shed_late": False}}}  # edges that serve every request, however late
 VARIANTS = {"slo+admission": {"policy": "slo", "admission": True},
             "slo": {"policy": "slo", "admission": False},
             "round_robin": {"policy": "round_robin"}}
 
 
-def start_routers(run: ModeRun, margin: float) -> dict[str, str]:
+def start_routers(run: ModeRun, margin: float, tag: str = "") -> dict[str, str]:
     """One collm-router per variant in front of the run's edges; name -> URL."""
     urls = {}
     for name, routing in VARIANTS.items():
@@ -53,12 +60,28 @@ def start_routers(run: ModeRun, margin: float) -> dict[str, str]:
         port = free_port()
         cfg = {"api": {"host": "127.0.0.1", "port": port}, "routing": routing,
                "edges": [{"name": e.name, "url": run.urls[e.name]} for e in run.edges]}
-        path = run.out / f"router-{name.replace('+', '-')}.yaml"
+        label = f"router-{tag}{name.replace('+', '-')}"
+        path = run.out / f"{label}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        run.group.spawn(f"router-{name.replace('+', '-')}", [str(BIN_DIR / "collm-router"), "--config", str(path)])
+        run.group.spawn(label, [str(BIN_DIR / "collm-router"), "--config", str(path)])
         urls[name] = f"http://127.0.0.1:{port}"
         wait_http(urls[name] + "/health", run.group, 60, f"router {name}")
     return urls
+
+
+def misses(outcomes: list[dict], ttft_s: float, tpot_s: float) -> dict[str, int]:
+    """Why requests missed: refused (429), late first token, slow tokens after it, or failed otherwise."""
+    out = {"refused": 0, "ttft": 0, "tpot": 0, "failed": 0}
+    for o in outcomes:
+        if o["status"] == 429:
+            out["refused"] += 1
+        elif o["status"] != 200 or o.get("ttft_s") is None:
+            out["failed"] += 1
+        elif o["ttft_s"] > ttft_s:
+            out["ttft"] += 1
+        elif (o.get("tpot_s") or 0.0) > tpot_s:
+            out["tpot"] += 1
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,68 +91,91 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0, help="length of each load point")
     p.add_argument("--capacity", type=float, help="serve-only capacity in req/s (default: measure it)")
     p.add_argument("--margin", type=float, default=1.0, help="routing.admission_margin of the admission router")
+    p.add_argument("--edges", default="default", help=f"edge variants, comma-separated, of {sorted(EDGE_VARIANTS)}")
     p.add_argument("--out", default="runs/bench-router-overload")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, interrupt_on_signal)  # SIGTERM stops the edges and routers, like ^C
     fractions = [float(f) for f in args.fractions.split(",")]
+    edge_names = [e.strip() for e in args.edges.split(",") if e.strip()]
+    unknown = sorted(set(edge_names) - set(EDGE_VARIANTS))
+    if unknown or not edge_names:
+        p.error(f"--edges: unknown variant(s) {unknown}; choose from {sorted(EDGE_VARIANTS)}")
     overrides = {"out": args.out, "modes": ["serve-only"]}
     if args.capacity:
         overrides["capacity"] = {"rate": args.capacity}
     cfg = load_config(BenchConfig, args.config, overrides)
     out = Path(cfg.out)
     work = Workload(cfg)
-    run = ModeRun(cfg, "serve-only", out / "serve-only")
-    results: dict = {"config": cfg.model_dump(mode="json"), "points": []}
+    runs = {e: ModeRun(cfg.model_copy(update={"edge": deep_merge(cfg.edge, EDGE_VARIANTS[e])}), "serve-only",
+                       out / f"serve-only-{e}") for e in edge_names}
+    results: dict = {"config": cfg.model_dump(mode="json"), "edges": edge_names, "points": []}
+    combos = [(e, r) for e in edge_names for r in VARIANTS]
     try:
-        run.start()
-        routers = start_routers(run, args.margin)
+        routers = {}
+        for e, run in runs.items():
+            run.start()
+            routers[e] = start_routers(run, args.margin, f"{e}-")
         time.sleep(cfg.warmup_s)
-        with tqdm(total=len(fractions) * len(VARIANTS), desc="router-overload", unit="point", file=sys.stdout) as bar:
+        first = runs[edge_names[0]]
+        with tqdm(total=len(fractions) * len(combos), desc="router-overload", unit="point", file=sys.stdout) as bar:
             if cfg.capacity.rate:
                 capacity = cfg.capacity.rate
             else:
-                run.router = routers["round_robin"]
-                capacity = find_capacity(run, work, cfg, bar)["rate"]
+                first.router = routers[edge_names[0]]["round_robin"]
+                capacity = find_capacity(first, work, cfg, bar)["rate"]
             results["capacity"] = capacity
-            bar.write(f"  capacity (serve-only, round robin): {capacity:.3f} req/s")
+            bar.write(f"  capacity (serve-only, {edge_names[0]} edges, round robin): {capacity:.3f} req/s")
             for k, f in enumerate(fractions):
-                plan = work.plan(work.segment(f * capacity, args.seconds, cfg.load.min_requests), run.model_id)
-                names = list(VARIANTS)
-                names = names[k % len(names):] + names[:k % len(names)]  # rotate who goes first
+                plan = work.plan(work.segment(f * capacity, args.seconds, cfg.load.min_requests), first.model_id)
+                order = combos[k % len(combos):] + combos[:k % len(combos)]  # rotate who goes first
                 met = {}
-                for name in names:
-                    run.router = routers[name]
-                    pt = measure(run, plan, cfg, {"fraction": f, "router": name})
-                    met[name] = pt["slo_met"]
+                for e, name in order:
+                    run = runs[e]
+                    run.router = routers[e][name]
+                    pt = measure(run, plan, cfg, {"fraction": f, "router": name, "edges": e})
+                    met[e, name] = pt["slo_met"]
                     refused = sum(1 for o in pt["outcomes"] if o["status"] == 429)
-                    row = {k2: pt[k2] for k2 in ("fraction", "router", "rate", "requests", "slo_attainment",
+                    why = misses(pt["outcomes"], cfg.ttft_ms / 1000, cfg.tpot_ms / 1000)
+                    row = {k2: pt[k2] for k2 in ("fraction", "router", "edges", "rate", "requests", "slo_attainment",
                                                    "attainment_ci", "goodput_rps", "goodput_ci", "ttft_p50",
-                                                   "ttft_p90")}
-                    results["points"].append({**row, "refused": refused, "point": k})
-                    bar.write(f"  {f:g}x {name}: goodput {pt['goodput_rps']:.2f} req/s "
+                                                   "ttft_p90", "tpot_p50", "tpot_p90")}
+                    results["points"].append({**row, "refused": refused, "misses": why, "point": k})
+                    bar.write(f"  {f:g}x {e} {name}: goodput {pt['goodput_rps']:.2f} req/s "
                               f"[{pt['goodput_ci'][0]:.2f}, {pt['goodput_ci'][1]:.2f}], attainment "
-                              f"{pt['slo_attainment']:.3f}, refused {refused}/{pt['requests']}")
+                              f"{pt['slo_attainment']:.3f}, refused {refused}/{pt['requests']}, late TTFT {why['ttft']}, "
+                              f"slow TPOT {why['tpot']}")
                     bar.update(1)
                     time.sleep(cfg.load.drain_s)
-                for name in ("slo+admission", "slo"):
-                    r, lo, hi = ratio_ci(met[name], met["round_robin"], resamples=cfg.bootstrap)
-                    pt = next(q for q in results["points"] if q["point"] == k and q["router"] == name)
-                    pt["vs_round_robin"] = [r, lo, hi]
-                r, lo, hi = ratio_ci(met["slo+admission"], met["slo"], resamples=cfg.bootstrap)
-                next(q for q in results["points"] if q["point"] == k and q["router"] == "slo+admission")[
-                    "vs_slo"] = [r, lo, hi]
+
+                def row_of(e, name):
+                    return next(q for q in results["points"] if q["point"] == k and q["router"] == name
+                                and q["edges"] == e)
+
+                for e in edge_names:
+                    for name in ("slo+admission", "slo"):
+                        row_of(e, name)["vs_round_robin"] = list(ratio_ci(met[e, name], met[e, "round_robin"],
+                                                                          resamples=cfg.bootstrap))
+                    row_of(e, "slo+admission")["vs_slo"] = list(ratio_ci(met[e, "slo+admission"], met[e, "slo"],
+                                                                         resamples=cfg.bootstrap))
+                    if e != edge_names[0]:
+                        for name in VARIANTS:
+                            row_of(edge_names[0], name)[f"vs_{e}"] = list(ratio_ci(
+                                met[edge_names[0], name], met[e, name], resamples=cfg.bootstrap))
     finally:
-        run.stop()
+        for run in runs.values():
+            run.stop()
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
     def ci(v):
         return "-" if not v or v[0] is None else f"{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]"
 
-    print(table(["load", "router", "req", "attainment", "goodput (req/s)", "refused", "vs round robin",
-                 "vs slo"],
-                [[f"{q['fraction']:g}x", q["router"], q["requests"], f"{q['slo_attainment']:.3f}",
+    others = [e for e in edge_names[1:]]
+    print(table(["load", "edges", "router", "req", "attainment", "goodput (req/s)", "refused", "late TTFT",
+                 "slow TPOT", "vs round robin", "vs slo"] + [f"vs {e}" for e in others],
+                [[f"{q['fraction']:g}x", q["edges"], q["router"], q["requests"], f"{q['slo_attainment']:.3f}",
                   f"{q['goodput_rps']:.2f} [{q['goodput_ci'][0]:.2f}, {q['goodput_ci'][1]:.2f}]", q["refused"],
-                  ci(q.get("vs_round_robin")), ci(q.get("vs_slo"))] for q in results["points"]]))
+                  q["misses"]["ttft"], q["misses"]["tpot"], ci(q.get("vs_round_robin")), ci(q.get("vs_slo"))]
+                 + [ci(q.get(f"vs_{e}")) for e in others] for q in results["points"]]))
     print(f"capacity {results['capacity']:.3f} req/s; results {out / 'results.json'}")
     return 0
 
