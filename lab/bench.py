@@ -49,7 +49,7 @@ from collm.common.config import deep_merge
 from collm.common.data import Record, categories, load_records, partition_by_category, split_holdout
 from collm.common.errors import UserError, cli_entry
 from collm.common.procs import BIN_DIR
-from collm.common.stats import mean_ci
+from collm.common.stats import mean_ci, ratio_ci
 from collm.common.traces import TraceRequest, trace_segment
 from collm.lab.bench_config import BenchConfig
 from collm.lab.loadgen import Outcome, Planned, replay, summarize
@@ -442,6 +442,19 @@ def run_mode(cfg: BenchConfig, mode: str, out: Path, work: Workload, plans: list
     return result
 
 
+def drift_rows(first: list[dict], again: list[dict], resamples: int) -> list[dict]:
+    """Serve-only measured twice, first and last, on the same arrivals: per point, the goodput ratio
+    again / first with its paired 95% interval. An interval away from 1 means the machine's speed
+    changed during the run, and every ratio between modes carries that much doubt."""
+    rows = []
+    for a, b in zip(first, again):
+        r, lo, hi = ratio_ci(b["slo_met"], a["slo_met"], resamples=resamples)
+        rows.append({"fraction": a["fraction"], "goodput_first": a["goodput_rps"], "goodput_again": b["goodput_rps"],
+                     "attainment_first": a["slo_attainment"], "attainment_again": b["slo_attainment"],
+                     "ratio": r, "ci": [lo, hi]})
+    return rows
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="collm-bench", description="Trace-replay goodput benchmark of CoLLM "
@@ -478,8 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     base_loss = judge.loss(None)
     results: dict = {"config": cfg.model_dump(mode="json"), "base_loss": base_loss, "modes": {}}
     plans = None
-    with tqdm(total=len(modes) * len(cfg.load.fractions), desc="collm-bench", unit="point", file=sys.stdout,
-              dynamic_ncols=True) as bar:
+    drift = cfg.drift_check and len(modes) > 1
+    with tqdm(total=(len(modes) + drift) * len(cfg.load.fractions), desc="collm-bench", unit="point",
+              file=sys.stdout, dynamic_ncols=True) as bar:
         for mode in modes:
             r = run_mode(cfg, mode, out / mode, work, plans, judge, base_loss, bar)
             plans = r.pop("plans")
@@ -490,6 +504,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['max_rate']:.3f} req/s, rounds {r['rounds_completed']}, served loss "
                       f"{r['served_loss'][0]['loss']:.4f} -> {r['final_loss']:.4f}")
             (out / "results.partial.json").write_text(json.dumps(results, indent=1))  # kept if a later mode fails
+        if drift:
+            again = run_mode(cfg, "serve-only", out / "serve-only-again", work, plans, judge, base_loss, bar)
+            results["drift"] = drift_rows(results["modes"]["serve-only"]["points"], again["points"], cfg.bootstrap)
+            bar.write("  drift (serve-only again / first, goodput): " + ", ".join(
+                f"{d['fraction']:g}x " + ("-" if d["ratio"] is None else
+                                          f"{d['ratio']:.2f} [{d['ci'][0]:.2f}, {d['ci'][1]:.2f}]")
+                for d in results["drift"]))
     results["wall_s"] = round(time.time() - t0, 1)
     paths = write_report(results, out)
     print(f"collm-bench: done in {results['wall_s']:.0f} s; report {paths['markdown']}", flush=True)

@@ -100,6 +100,9 @@ class BenchConfig(Strict):
     federation: FederationBudget = FederationBudget()
     eval_records: int = Field(16, ge=1, description="holdout records per served-quality evaluation")
     bootstrap: int = Field(2000, ge=100, description="bootstrap resamples for every confidence interval")
+    drift_check: bool = Field(False, description="run serve-only again after the other modes, on the same "
+                              "arrivals: modes are measured one after another, so this shows how far the machine "
+                              "drifted during the run (a ratio between modes is good only to within it)")
     out: str = "runs/bench"
 
     @model_validator(mode="after")

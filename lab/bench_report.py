@@ -171,6 +171,16 @@ def _markdown(results: dict, paths: dict) -> str:
     if "collm/isolated" in results["ratios"]:
         lines += ["", "Training throughput collm/isolated per point: " + ", ".join(
             f"{row['fraction']:g}× {_fmt(row['train_ratio'], 2)}" for row in results["ratios"]["collm/isolated"])]
+    if results.get("drift"):
+        lines += ["", "## Drift check", "",
+                  "Modes run one after another; serve-only ran again at the end on the same arrivals. A ratio "
+                  "between modes is good only to within how far this moved.", "",
+                  "| load | serve-only goodput first | again | again / first | attainment first → again |",
+                  "|---|---|---|---|---|"]
+        for d in results["drift"]:
+            lines.append(f"| {d['fraction']:g}× | {_fmt(d['goodput_first'])} | {_fmt(d['goodput_again'])} | "
+                         f"{_fmt(d['ratio'], 2)}{_ci(*d['ci'])} | {_fmt(d['attainment_first'])} → "
+                         f"{_fmt(d['attainment_again'])} |")
     lines += ["", "## Per mode", "", f"| mode | max rate ≥ {cap['target_attainment']:.0%} (req/s) | × capacity | "
               "rounds | served loss start → end | startup (s) |", "|---|---|---|---|---|---|"]
     for m, r in modes.items():

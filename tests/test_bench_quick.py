@@ -37,6 +37,15 @@ def test_report_json_and_plots_are_written(bench):
         assert f"| {mode} |" in report
     assert set(results["modes"]) == set(MODES)
     assert "Serve-only capacity" in report and "paired 95% CI" in report
+    # drift check: serve-only ran again last, on the same points, and the report says how far it moved
+    drift = results["drift"]
+    assert [d["fraction"] for d in drift] == results["config"]["load"]["fractions"]
+    for d in drift:
+        assert d["goodput_first"] >= 0 and d["goodput_again"] >= 0
+        if d["ratio"] is not None:
+            assert d["ci"][0] <= d["ratio"] <= d["ci"][1]
+            assert abs(d["ratio"] - d["goodput_again"] / d["goodput_first"]) < 1e-9
+    assert "## Drift check" in report
 
 
 @pytest.mark.slow
