@@ -69,18 +69,14 @@ def start_routers(run: ModeRun, margin: float, tag: str = "") -> dict[str, str]:
     return urls
 
 
-def misses(outcomes: list[dict], ttft_s: float, tpot_s: float) -> dict[str, int]:
-    """Why requests missed: refused (429), late first token, slow tokens after it, or failed otherwise."""
+def misses(outcomes: list[dict]) -> dict[str, int]:
+    """Why requests missed (`common.slo.slo_miss`, the bench's `miss` field), refusals (429) apart."""
     out = {"refused": 0, "ttft": 0, "tpot": 0, "failed": 0}
     for o in outcomes:
         if o["status"] == 429:
             out["refused"] += 1
-        elif o["status"] != 200 or o.get("ttft_s") is None:
-            out["failed"] += 1
-        elif o["ttft_s"] > ttft_s:
-            out["ttft"] += 1
-        elif (o.get("tpot_s") or 0.0) > tpot_s:
-            out["tpot"] += 1
+        elif o["miss"]:
+            out[o["miss"]] += 1
     return out
 
 
@@ -134,15 +130,14 @@ def main(argv: list[str] | None = None) -> int:
                     run.router = routers[e][name]
                     pt = measure(run, plan, cfg, {"fraction": f, "router": name, "edges": e})
                     met[e, name] = pt["slo_met"]
-                    refused = sum(1 for o in pt["outcomes"] if o["status"] == 429)
-                    why = misses(pt["outcomes"], cfg.ttft_ms / 1000, cfg.tpot_ms / 1000)
+                    why = misses(pt["outcomes"])
                     row = {k2: pt[k2] for k2 in ("fraction", "router", "edges", "rate", "requests", "slo_attainment",
                                                    "attainment_ci", "goodput_rps", "goodput_ci", "ttft_p50",
                                                    "ttft_p90", "tpot_p50", "tpot_p90")}
-                    results["points"].append({**row, "refused": refused, "misses": why, "point": k})
+                    results["points"].append({**row, "refused": why["refused"], "misses": why, "point": k})
                     bar.write(f"  {f:g}x {e} {name}: goodput {pt['goodput_rps']:.2f} req/s "
                               f"[{pt['goodput_ci'][0]:.2f}, {pt['goodput_ci'][1]:.2f}], attainment "
-                              f"{pt['slo_attainment']:.3f}, refused {refused}/{pt['requests']}, late TTFT {why['ttft']}, "
+                              f"{pt['slo_attainment']:.3f}, refused {why['refused']}/{pt['requests']}, late TTFT {why['ttft']}, "
                               f"slow TPOT {why['tpot']}")
                     bar.update(1)
                     time.sleep(cfg.load.drain_s)
@@ -169,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     def ci(v):
         return "-" if not v or v[0] is None else f"{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]"
 
-    others = [e for e in edge_names[1:]]
+    others = edge_names[1:]
     print(table(["load", "edges", "router", "req", "attainment", "goodput (req/s)", "refused", "late TTFT",
                  "slow TPOT", "vs round robin", "vs slo"] + [f"vs {e}" for e in others],
                 [[f"{q['fraction']:g}x", q["edges"], q["router"], q["requests"], f"{q['slo_attainment']:.3f}",

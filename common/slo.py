@@ -36,6 +36,19 @@ class SLO:
         return meets_slo(completed, ttft_s, tpot_s, self.ttft_s, self.tpot_s)
 
 
+def slo_miss(completed: bool, ttft_s: float | None, tpot_s: float | None, ttft_slo_s: float,
+             tpot_slo_s: float) -> str | None:
+    """Why a request missed its SLO, first reason first: "failed" (no complete answer), "ttft" (first
+    token late), "tpot" (tokens after it too slow); None if it met it."""
+    if not completed or ttft_s is None:
+        return "failed"
+    if ttft_s > ttft_slo_s:
+        return "ttft"
+    if (tpot_s or 0.0) > tpot_slo_s:
+        return "tpot"
+    return None
+
+
 def meets_slo(completed: bool, ttft_s: float | None, tpot_s: float | None, ttft_slo_s: float,
               tpot_slo_s: float) -> bool:
-    return completed and ttft_s is not None and ttft_s <= ttft_slo_s and (tpot_s or 0.0) <= tpot_slo_s
+    return slo_miss(completed, ttft_s, tpot_s, ttft_slo_s, tpot_slo_s) is None

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from collm.common.slo import meets_slo
+from collm.common.slo import meets_slo, slo_miss
 from collm.common.stats import percentile
 
 
@@ -63,6 +63,11 @@ class Outcome:
     @property
     def slo_met(self) -> bool:
         return meets_slo(self.completed, self.ttft_s, self.tpot_s, self.ttft_slo_s, self.tpot_slo_s)
+
+    @property
+    def miss(self) -> str | None:
+        """`common.slo.slo_miss`: failed | ttft | tpot, None if the SLO was met."""
+        return slo_miss(self.completed, self.ttft_s, self.tpot_s, self.ttft_slo_s, self.tpot_slo_s)
 
 
 def poisson_arrivals(rate: float, seed: int = 0) -> Iterator[float]:

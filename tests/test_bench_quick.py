@@ -46,6 +46,9 @@ def test_report_json_and_plots_are_written(bench):
             assert d["ci"][0] <= d["ratio"] <= d["ci"][1]
             assert abs(d["ratio"] - d["goodput_again"] / d["goodput_first"]) < 1e-9
     assert "## Drift check" in report
+    for r in results["modes"].values():  # each request's miss reason agrees with its SLO verdict
+        for p in r["points"]:
+            assert [o["miss"] is None for o in p["outcomes"]] == [m == 1.0 for m in p["slo_met"]]
 
 
 @pytest.mark.slow

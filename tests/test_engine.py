@@ -333,6 +333,7 @@ def test_a_waiting_request_behind_queued_prefill_is_refused_sooner():
         eng.submit(prompt(eng, "hold the slot"), hold, lambda ev: started.set() if isinstance(ev, TokenEvent) else None)
         assert started.wait(30)
         b_ids = (prompt(eng, "a long prompt " * 40))[:120]
+        assert len(b_ids) == 120  # B fills one 128-token step; B and C together need two
         eng.submit(b_ids, SamplingParams(max_tokens=4), on("b"))
         eng.submit(prompt(eng, "short"), SamplingParams(max_tokens=4), on("c"))
         assert done.wait(30)

@@ -32,3 +32,14 @@ def test_open_loop_replay_measures_latencies_and_goodput(tmp_path):
         assert abs(sent[0] - plan[0].at_s) < 0.2  # sent on schedule (open loop)
     finally:
         e.close()
+
+
+def test_slo_miss_names_the_first_target_missed_and_agrees_with_meets_slo():
+    from collm.common.slo import meets_slo, slo_miss
+
+    cases = {(True, 0.5, 0.05): None, (True, 0.5, 0.2): "tpot", (True, 2.0, 0.2): "ttft",
+             (True, 2.0, 0.05): "ttft", (False, 0.5, 0.05): "failed", (True, None, None): "failed",
+             (True, 1.0, 0.1): None, (True, 0.5, None): None}
+    for (done, ttft, tpot), want in cases.items():
+        assert slo_miss(done, ttft, tpot, 1.0, 0.1) == want, (done, ttft, tpot)
+        assert meets_slo(done, ttft, tpot, 1.0, 0.1) == (want is None)
