@@ -21,6 +21,13 @@ make their SLOs.
 the first (an idle set costs nothing) and replays every point through both, interleaved, so an
 edge setting's effect is measured in the same run; the capacity is measured on the first set.
 Each row counts why requests missed: refused (429), late first token, or slow tokens after it.
+
+Admission's own accuracy, in the same run and on the same requests: the `slo` router routes every
+request but still says what admission would have judged (X-CoLLM-Soonest-TTFT), so the script
+replays the test at each `--check-margins` value: how many requests admission would have refused,
+how many of those met their SLO anyway (refused wrongly), and how many of the misses it would
+have caught. That separates "admission refuses requests that would have made it" from the noise
+between two replays of the same arrivals.
 """
 
 from __future__ import annotations
@@ -80,6 +87,22 @@ def misses(outcomes: list[dict]) -> dict[str, int]:
     return out
 
 
+def would_refuse(outcomes: list[dict], target_s: float, margins: list[float]) -> dict[str, dict[str, int]]:
+    """Admission's test replayed on a router that routed everything (the `slo` variant): per margin m,
+    how many requests had a soonest-edge TTFT estimate (X-CoLLM-Soonest-TTFT) past m x target, how
+    many of those still met their SLO (what admission at m would have refused wrongly), and how many
+    of all misses it would have caught. Same requests, same run: no noise between variants."""
+    seen = [o for o in outcomes if o.get("soonest_ttft_s") is not None]
+    out = {}
+    for m in margins:
+        flagged = [o for o in seen if o["soonest_ttft_s"] > m * target_s]
+        out[f"{m:g}"] = {"estimated": len(seen), "would_refuse": len(flagged),
+                         "met_anyway": sum(1 for o in flagged if not o["miss"]),
+                         "missed": sum(1 for o in seen if o["miss"]),
+                         "misses_caught": sum(1 for o in flagged if o["miss"])}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/bench-load.yaml", help="a collm-bench config (model, SLOs, trace)")
@@ -87,11 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0, help="length of each load point")
     p.add_argument("--capacity", type=float, help="serve-only capacity in req/s (default: measure it)")
     p.add_argument("--margin", type=float, default=1.0, help="routing.admission_margin of the admission router")
+    p.add_argument("--check-margins", default="1.0,1.25,1.5,2.0",
+                   help="margins at which to replay admission's test on the slo router's requests")
     p.add_argument("--edges", default="default", help=f"edge variants, comma-separated, of {sorted(EDGE_VARIANTS)}")
     p.add_argument("--out", default="runs/bench-router-overload")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, interrupt_on_signal)  # SIGTERM stops the edges and routers, like ^C
     fractions = [float(f) for f in args.fractions.split(",")]
+    check_margins = [float(m) for m in args.check_margins.split(",") if m.strip()]
     edge_names = [e.strip() for e in args.edges.split(",") if e.strip()]
     unknown = sorted(set(edge_names) - set(EDGE_VARIANTS))
     if unknown or not edge_names:
@@ -134,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                     row = {k2: pt[k2] for k2 in ("fraction", "router", "edges", "rate", "requests", "slo_attainment",
                                                    "attainment_ci", "goodput_rps", "goodput_ci", "ttft_p50",
                                                    "ttft_p90", "tpot_p50", "tpot_p90")}
-                    results["points"].append({**row, "refused": why["refused"], "misses": why, "point": k})
+                    check = would_refuse(pt["outcomes"], cfg.ttft_ms / 1000, check_margins) if name == "slo" else None
+                    results["points"].append({**row, "refused": why["refused"], "misses": why, "point": k,
+                                              "would_refuse": check})
                     bar.write(f"  {f:g}x {e} {name}: goodput {pt['goodput_rps']:.2f} req/s "
                               f"[{pt['goodput_ci'][0]:.2f}, {pt['goodput_ci'][1]:.2f}], attainment "
                               f"{pt['slo_attainment']:.3f}, refused {why['refused']}/{pt['requests']}, late TTFT {why['ttft']}, "
@@ -171,6 +199,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{q['goodput_rps']:.2f} [{q['goodput_ci'][0]:.2f}, {q['goodput_ci'][1]:.2f}]", q["refused"],
                   q["misses"]["ttft"], q["misses"]["tpot"], ci(q.get("vs_round_robin")), ci(q.get("vs_slo"))]
                  + [ci(q.get(f"vs_{e}")) for e in others] for q in results["points"]]))
+    checked = [q for q in results["points"] if q.get("would_refuse")]
+    if checked:
+        print("\nAdmission's test replayed on the slo router's requests (it routed them all): would refuse "
+              "at margin m / of those, met the SLO anyway / of all misses, caught")
+        print(table(["load", "edges", "req", "missed"] + [f"m = {m:g}" for m in check_margins],
+                    [[f"{q['fraction']:g}x", q["edges"], q["requests"], q["misses"]["ttft"] + q["misses"]["tpot"]
+                      + q["misses"]["failed"] + q["refused"]]
+                     + [f"{c['would_refuse']} / {c['met_anyway']} / {c['misses_caught']}"
+                        for c in q["would_refuse"].values()] for q in checked]))
     print(f"capacity {results['capacity']:.3f} req/s; results {out / 'results.json'}")
     return 0
 

@@ -271,7 +271,8 @@ def measure(run: ModeRun, plan: list[Planned], cfg: BenchConfig, label: dict) ->
 
 def _compact(o: Outcome) -> dict:
     return {"at": round(o.sent_at, 3), "status": o.status, "ttft_s": o.ttft_s, "tpot_s": o.tpot_s,
-            "tokens": o.output_tokens, "version": o.adapter_version, "edge": o.edge, "miss": o.miss}
+            "tokens": o.output_tokens, "version": o.adapter_version, "edge": o.edge, "miss": o.miss,
+            "soonest_ttft_s": o.soonest_ttft_s}
 
 
 def find_capacity(run: ModeRun, work: Workload, cfg: BenchConfig, bar) -> dict:

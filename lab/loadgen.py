@@ -55,6 +55,7 @@ class Outcome:
     edge: str | None = None
     ttft_slo_s: float = 1.0
     tpot_slo_s: float = 0.2
+    soonest_ttft_s: float | None = None  # the router's TTFT estimate on its soonest edge (slo policy)
 
     @property
     def completed(self) -> bool:
@@ -88,6 +89,17 @@ def poisson_schedule(rate: float, duration_s: float, make_body: Callable[[int], 
         out.append(Planned(t, make_body(len(out)), **kw))
 
 
+def _read_headers(out: Outcome, h: httpx.Headers) -> None:
+    """What the edge and the router say about a response: edge, adapter version, the router's estimate."""
+    out.edge = h.get("X-CoLLM-Edge")
+    v = h.get("X-CoLLM-Adapter-Version")
+    out.adapter_version = int(v) if v is not None and v.lstrip('-').isdigit() else None
+    try:
+        out.soonest_ttft_s = float(h["X-CoLLM-Soonest-TTFT"])
+    except (KeyError, ValueError):
+        out.soonest_ttft_s = None
+
+
 async def _one(client: httpx.AsyncClient, url: str, p: Planned, t0: float) -> Outcome:
     now = time.perf_counter()
     await asyncio.sleep(max(0.0, t0 + p.at_s - now))
@@ -99,9 +111,7 @@ async def _one(client: httpx.AsyncClient, url: str, p: Planned, t0: float) -> Ou
     try:
         async with client.stream("POST", url + p.path, json=body) as r:
             out.status = r.status_code
-            out.edge = r.headers.get("X-CoLLM-Edge")
-            v = r.headers.get("X-CoLLM-Adapter-Version")
-            out.adapter_version = int(v) if v is not None and v.lstrip('-').isdigit() else None
+            _read_headers(out, r.headers)
             if r.status_code != 200:
                 await r.aread()
                 return out
@@ -140,9 +150,8 @@ async def _one_json(client: httpx.AsyncClient, url: str, p: Planned, t0: float) 
     except httpx.HTTPError as e:
         out.status = type(e).__name__
         return out
-    out.status, out.e2e_s, out.edge = r.status_code, time.perf_counter() - sent, r.headers.get("X-CoLLM-Edge")
-    v = r.headers.get("X-CoLLM-Adapter-Version")
-    out.adapter_version = int(v) if v is not None and v.lstrip('-').isdigit() else None
+    out.status, out.e2e_s = r.status_code, time.perf_counter() - sent
+    _read_headers(out, r.headers)
     if r.status_code == 200:
         try:
             body = r.json()

@@ -23,7 +23,10 @@ Failures:
   error body and `Retry-After`.
 
 Every response carries the edge's X-CoLLM-Adapter-Version and X-CoLLM-Edge (added from the router's
-config when the edge did not send it) and X-CoLLM-Router-Attempts (1, or 2 after a retry).
+config when the edge did not send it) and X-CoLLM-Router-Attempts (1, or 2 after a retry); under
+the slo policy also X-CoLLM-Soonest-TTFT, the rule's estimate (seconds) of the TTFT on the edge that
+would start the request soonest: what admission compares with the target, so a client (or a
+benchmark) can check the estimate against the TTFT it got, with or without admission on.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from collm.router.state import EdgeState, scrape_from_metrics
 log = logging.getLogger("collm.router")
 
 ATTEMPTS_HEADER = "X-CoLLM-Router-Attempts"
+SOONEST_HEADER = "X-CoLLM-Soonest-TTFT"  # seconds: the slo rule's TTFT estimate on the soonest edge
 BEST_EFFORT_HEADER = "X-CoLLM-Best-Effort"  # "1"/"true": route even when no edge can meet the TTFT target
 PASSED_HEADERS = ("content-type", VERSION_HEADER.lower(), EDGE_HEADER.lower(), "retry-after", "cache-control")
 FORWARDED_HEADERS = ("content-type", "accept", "authorization")
@@ -364,7 +368,8 @@ class Router:
                 self.metrics.retries.labels(failed[-1].reason).inc()
                 log.warning("retrying on edge %s after edge %s failed: %s", edge.name, tried[0], failed[-1].why)
             try:
-                return await self._attempt(edge, est, method, path, raw, headers, stream, attempt, request)
+                return await self._attempt(edge, est, method, path, raw, headers, stream, attempt, request,
+                                           decision.soonest)
             except _Failed as f:
                 failed.append(f)
         last_answer = next((f.response for f in reversed(failed) if f.response is not None), None)
@@ -389,10 +394,10 @@ class Router:
                f"{soon.edge}, about {soon.ttft_s:.1f} s); retry after {retry} s, or send "
                f"{BEST_EFFORT_HEADER}: 1 to be served late")
         return JSONResponse(error_body(msg, "rate_limit_error", code="slo_unattainable"), status_code=429,
-                            headers={"Retry-After": str(retry)})
+                            headers={"Retry-After": str(retry), SOONEST_HEADER: f"{soon.ttft_s:.3f}"})
 
     async def _attempt(self, edge: EdgeState, est: Estimate, method: str, path: str, raw: bytes, headers: dict,
-                       stream: bool, attempt: int, request: Request) -> Response:
+                       stream: bool, attempt: int, request: Request, soonest: Estimate | None = None) -> Response:
         """One try on one edge; raises _Failed when the client has had nothing yet and a retry may help."""
         self.metrics.routed.labels(edge.name).inc()
         edge.outstanding += 1
@@ -420,7 +425,7 @@ class Router:
                 self._transport_failure(edge, e)
                 raise _Failed("connect" if isinstance(e, httpx.ConnectError) else "read", _describe(e)) from None
             edge.last_progress = time.monotonic()
-            out_headers = self._headers(up, edge, attempt)
+            out_headers = self._headers(up, edge, attempt, soonest)
             status = up.status_code
             if status in (429, 503):  # overloaded or not ready: leave it alone for a while either way
                 edge.cool_down(self.cfg.health.cooldown_s, f"answered {status}")
@@ -492,10 +497,12 @@ class Router:
                 with contextlib.suppress(BaseException):
                     await task
 
-    def _headers(self, up: httpx.Response, edge: EdgeState, attempt: int) -> dict:
+    def _headers(self, up: httpx.Response, edge: EdgeState, attempt: int, soonest: Estimate | None) -> dict:
         out = {k: up.headers[k] for k in PASSED_HEADERS if k in up.headers}
         out.setdefault("x-collm-edge", edge.name)
         out[ATTEMPTS_HEADER] = str(attempt)
+        if soonest is not None and math.isfinite(soonest.ttft_s):
+            out[SOONEST_HEADER] = f"{soonest.ttft_s:.3f}"
         return out
 
     def _observe_json(self, edge: EdgeState, est: Estimate, content: bytes) -> None:

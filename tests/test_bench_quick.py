@@ -49,6 +49,10 @@ def test_report_json_and_plots_are_written(bench):
     for r in results["modes"].values():  # each request's miss reason agrees with its SLO verdict
         for p in r["points"]:
             assert [o["miss"] is None for o in p["outcomes"]] == [m == 1.0 for m in p["slo_met"]]
+    # the slo router says what TTFT it estimated (X-CoLLM-Soonest-TTFT); round robin estimates nothing
+    collm = [o for p in results["modes"]["collm"]["points"] for o in p["outcomes"] if o["status"] == 200]
+    assert collm and all(o["soonest_ttft_s"] > 0 for o in collm)
+    assert all(o["soonest_ttft_s"] is None for p in results["modes"]["serve-only"]["points"] for o in p["outcomes"])
 
 
 @pytest.mark.slow

@@ -310,14 +310,17 @@ def test_admission_refuses_what_no_edge_can_start_in_time_and_best_effort_goes_t
     r = post(router, {"prompt": "x", "max_tokens": 3})
     assert r.status_code == 429 and r.json()["error"]["code"] == "slo_unattainable"
     assert int(r.headers["Retry-After"]) >= 1 and a.calls + b.calls == calls  # refused here, no edge asked
+    assert float(r.headers["X-CoLLM-Soonest-TTFT"]) > 1.0  # the estimate admission judged, past the target
     metrics = httpx.get(router.url + "/metrics").text
     assert "collm_router_refused_total 1.0" in metrics
-    assert post(router, {"prompt": "x", "max_tokens": 3, "best_effort": True}).status_code == 200
+    late = post(router, {"prompt": "x", "max_tokens": 3, "best_effort": True})
+    assert late.status_code == 200 and float(late.headers["X-CoLLM-Soonest-TTFT"]) > 1.0  # served, estimate shown
     assert post(router, {"prompt": "x", "max_tokens": 3}, headers={"X-CoLLM-Best-Effort": "true"}).status_code == 200
     assert post(router, {"prompt": "x", "max_tokens": 3, "slo": {"ttft_ms": 600_000}}).status_code == 200
     a.queue = b.queue = 0
     router.wait_for(lambda: all(router.edge(n).scrape.queue_depth == 0 for n in "ab"), what="scrape")
-    assert post(router, {"prompt": "x", "max_tokens": 3}).status_code == 200
+    ok = post(router, {"prompt": "x", "max_tokens": 3})
+    assert ok.status_code == 200 and 0 < float(ok.headers["X-CoLLM-Soonest-TTFT"]) <= 1.0
 
 
 def test_mid_stream_failure_ends_with_an_sse_error_event(router, fakes):
