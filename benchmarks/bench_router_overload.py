@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    "ttft_p90", "tpot_p50", "tpot_p90")}
                     check = would_refuse(pt["outcomes"], cfg.ttft_ms / 1000, check_margins) if name == "slo" else None
                     results["points"].append({**row, "refused": why["refused"], "misses": why, "point": k,
-                                              "would_refuse": check})
+                                              "would_refuse": check, "outcomes": pt["outcomes"]})
                     bar.write(f"  {f:g}x {e} {name}: goodput {pt['goodput_rps']:.2f} req/s "
                               f"[{pt['goodput_ci'][0]:.2f}, {pt['goodput_ci'][1]:.2f}], attainment "
                               f"{pt['slo_attainment']:.3f}, refused {why['refused']}/{pt['requests']}, late TTFT {why['ttft']}, "

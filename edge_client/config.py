@@ -92,6 +92,9 @@ class EngineConfig(Strict):
                                    "weights become views of one tensor per group, still one copy; a base "
                                    "memory-mapped from safetensors is then partly owned memory instead of "
                                    "page cache); false: one call per projection, as HF does")
+    timeline: str | None = Field(None, description="write every serving step, background unit and adapter "
+                                 "publish to this JSON-lines file (engine/timeline.py; for finding why requests "
+                                 "were slow); off by default")
 
 
 class SLOConfig(Strict):

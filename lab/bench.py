@@ -148,12 +148,14 @@ class ModeRun:
             training = {"co_schedule": "naive" if mode == "colocated-naive" else "work_conserving",
                         "busy_share": cfg.busy_share if mode == "collm" else 0.0,
                         "max_eval_records": cfg.federation.eval_records}
+            name = f"{role.replace('+', '-')}{i}"
             self.edges.append(edge_config(
-                cfg.model, f"{role.replace('+', '-')}{i}", out, categories=parts[i],
+                cfg.model, name, out, categories=parts[i],
                 superlink=self.superlink if "train" in role else None,
                 overrides=deep_merge(cfg.edge, {
                     "slo": {"ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}, "training": training,
                     "model": {"cpu_affinity": cores, "threads": len(cores)},
+                    **({"engine": {"timeline": str(out / f"timeline-{name}.jsonl")}} if cfg.timeline else {}),
                     "api": {"admin": mode == "isolated" and role == "serve", "adapter_dir": str(out / "checkpoints")},
                     "auth": {"admin_tokens": {"keys": [self.admin_token]}}})))
         self.urls = {e.name: edge_url(e) for e in self.edges}

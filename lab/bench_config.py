@@ -103,6 +103,9 @@ class BenchConfig(Strict):
     drift_check: bool = Field(False, description="run serve-only again after the other modes, on the same "
                               "arrivals: modes are measured one after another, so this shows how far the machine "
                               "drifted during the run (a ratio between modes is good only to within it)")
+    timeline: bool = Field(False, description="every replica writes its engine timeline (engine.timeline) to "
+                           "OUT/<mode>/timeline-<edge>.jsonl: each serving step and training unit with its time, to "
+                           "see what a replica did while a request was slow (benchmarks/timeline_report.py)")
     out: str = "runs/bench"
 
     @model_validator(mode="after")

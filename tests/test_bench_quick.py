@@ -101,3 +101,25 @@ def test_training_modes_train_and_serve_only_does_not(bench):
     so = results["modes"]["serve-only"]
     assert so["rounds_completed"] == 0 and so["final_loss"] == base
     assert all(p["train_tokens"] == 0 for p in so["points"])
+
+
+@pytest.mark.slow
+def test_every_replica_writes_a_timeline_that_accounts_for_its_requests(bench):
+    """timeline: true: one timeline per replica, named by its edge, and timeline_report splits every
+    served request's life into shares of what its replica did (steps, training, evaluation, neither)."""
+    out, results = bench
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from timeline_report import KINDS, load_mode, point_rows
+
+    for mode, r in results["modes"].items():
+        points, timelines = load_mode(results, out, mode)
+        assert set(timelines) == set(r["roles"]), mode  # the edges' names
+        rows = point_rows(points, timelines)
+        served = sum(1 for p in points for o in p["outcomes"] if o["ttft_s"] is not None)
+        assert sum(row["n"] for row in rows) == served, mode
+        for row in rows:
+            assert abs(sum(row[k] for k in KINDS) - 1.0) < 1e-6 and row["step"] > 0, (mode, row)
+    def train_units(mode):
+        return sum(1 for tl in load_mode(results, out, mode)[1].values() for *_, kind, _ in tl.spans if kind == "train")
+
+    assert train_units("collm") > 0 and train_units("isolated") > 0 and train_units("serve-only") == 0

@@ -557,3 +557,31 @@ def test_dp_clipping_scales_the_update_to_the_norm_and_leaves_a_small_one_alone(
     torch.testing.assert_close(out["b"], torch.tensor([1.0, 1.8]))
     same, _ = clipped_update(local, start, 10.0)
     assert all(torch.equal(same[k], local[k]) for k in local)
+
+
+def test_timeline_records_the_steps_units_and_publishes_that_happened(tmp_path):
+    """engine.timeline: every serving step of a request, every unit of a training job and every publish
+    is one event, in time order, inside the wall-clock span it happened in."""
+    from collm.edge_client.engine.timeline import read_timeline
+
+    path = tmp_path / "timeline.jsonl"
+    t_start = time.time()
+    eng = tiny_engine(engine={"timeline": str(path), "warmup": False})
+    try:
+        fin = eng.generate(prompt(eng, PROMPTS[0]), GREEDY)
+        rep = eng.train(TrainBudget(steps=2)).result(timeout=120)
+        eng.shadow.publish(random_adapter_state(eng, 3), 1)
+    finally:
+        eng.stop()
+    t_end = time.time()
+    events = read_timeline(path)
+    steps = [e for e in events if e["ev"] == "step"]
+    units = [e for e in events if e["ev"] == "unit"]
+    publishes = [e for e in events if e["ev"] == "publish"]
+    assert len(steps) == len(fin.token_ids)  # a prompt that fits one step, then one step per further token
+    assert sum(e["pf"] for e in steps) == len(prompt(eng, PROMPTS[0]))
+    assert len(units) == rep.units and {e["job"] for e in units} == {"train"}
+    assert [e["version"] for e in publishes] == [0, 1]
+    assert all(t_start <= e["t"] and e["t"] + e["s"] <= t_end for e in steps + units)
+    busy = sorted(steps + units, key=lambda e: e["t"])
+    assert all(a["t"] + a["s"] <= b["t"] + 1e-3 for a, b in zip(busy, busy[1:]))  # one loop: never overlapping

@@ -37,6 +37,7 @@ from collm.edge_client.engine.planner import next_step_shape, plan_step, prefill
 from collm.edge_client.engine.requests import (AdmittedEvent, EngineError, EngineFailed, FinishEvent, PromptTooLong,
                                                QueueFull, Request, ShuttingDown, TokenEvent)
 from collm.edge_client.engine.telemetry import EdgeSnapshot, RequestRecord, Telemetry
+from collm.edge_client.engine.timeline import Timeline
 from collm.edge_client.model.loading import LoadedModel
 from collm.edge_client.model.lora import TrainableAdapter, inject_lora
 from collm.edge_client.model.runner import KVPool, ModelRunner, Segment
@@ -86,6 +87,9 @@ class Engine:
         self.shadow = ShadowAdapter(self.layers, lm.device, lm.dtype, retain=cfg.adapters.retain)
         adapter = TrainableAdapter(self.layers, lm.device, seed=seed)
         self.initial_state = adapter.state_dict_peft()  # identical on every edge: the round-1 start
+        self.timeline = Timeline(cfg.engine.timeline) if cfg.engine.timeline else None
+        if self.timeline is not None:
+            self.shadow.observer = lambda **kw: self.timeline.record("publish", **kw)
         self.shadow.publish(self.initial_state, 0, source="initial")  # B = 0: the base model
         self.trainer: LocalTrainer | None = None
         self.holdout: list = []
@@ -296,6 +300,9 @@ class Engine:
                     fn(self.failure)
                 except Exception:  # noqa: BLE001
                     log.exception("engine failure callback failed")
+        finally:
+            if self.timeline is not None:
+                self.timeline.close()
 
     def _loop(self) -> None:
         while True:
@@ -387,6 +394,9 @@ class Engine:
                 self._finish(by_slot[s.slot], "error")
             return
         now = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.record("step", t=time.time() - (now - t0), s=now - t0, dec=shape.decode,
+                                 pf=shape.prefill, run=len(self._running), wait=len(self._waiting))
         self.costs.step.observe(step_features(shape.decode, shape.prefill, shape.attended), now - t0)
         self.telemetry.record_step(now - t0, len(segments))
         self.policy.observe_step(now, now - t0)
@@ -507,6 +517,9 @@ class Engine:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
+                if self.timeline is not None:
+                    self.timeline.record("unit", t=time.time() - dt, s=dt, job=job.kind,
+                                         unit=unit.kind, tok=unit.tokens, why=verdict.reason)
                 self.costs.observe_unit(job.kind, unit.kind, unit.tokens, dt)
                 self.telemetry.record_background(job.kind, dt, completed_tokens, beside_serving=not load.idle)
                 if verdict.reason == "busy-share":

@@ -80,6 +80,7 @@ class ShadowAdapter:
         self.history: deque[VersionInfo] = deque(maxlen=history)
         self.swaps = 0
         self.last_publish_s = 0.0
+        self.observer: Callable[..., None] | None = None  # told of every publish (the engine's timeline)
 
     # -------------------------------------------------------------- publishing (any thread)
     def publish(self, state: dict[str, torch.Tensor], version: int, *, round: int | None = None,
@@ -103,13 +104,20 @@ class ShadowAdapter:
             self._flip(weights, info, kept)
             self._latest = version
             self.last_publish_s = time.perf_counter() - t0
+        if self.observer is not None:
+            self.observer(t=time.time() - self.last_publish_s, s=self.last_publish_s,
+                          version=version, source=source)
         return weights
 
     def publish_local(self, state: dict[str, torch.Tensor], steps: int) -> AdapterWeights:
         """Serve `state` (the training adapter) to requests that name the local adapter; the next global
         publish resets it to that global until the edge has trained on top of it again."""
+        t0 = time.perf_counter()
         weights = self._layers.serving_weights(state, LOCAL_VERSION, self._device, self._dtype,
                                                meta={"local": True, "steps": steps, "based_on": self.current_version})
+        if self.observer is not None:
+            dt = time.perf_counter() - t0
+            self.observer(t=time.time() - dt, s=dt, version="local", source="local")
         with self._lock:
             self._local = weights
             self.local_publishes += 1

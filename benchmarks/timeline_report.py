@@ -1,0 +1,136 @@
+"""Where did a slow request's time go? collm-bench's requests laid beside their replicas' engine timelines.
+
+    collm-bench --config configs/bench.yaml      # with `timeline: true`
+    python benchmarks/timeline_report.py runs/bench [--modes collm,serve-only]
+
+For every request of every load point, the replica that served it is looked up in that replica's
+timeline (`engine.timeline`, one event per serving step and per unit of background work), and the
+request's life (from when it was sent to its last token) is split into the replica's time in
+serving steps, in training units, in evaluation units, and in neither (the loop not running the
+model: waiting for work, or held up by something outside it, e.g. another thread or process). The
+report prints, per mode and load point, those shares for the requests that met their SLOs and for
+those that missed, and how much slower the replica's steps were than its median step of the same
+shape over the whole run (a neighbour on shared memory bandwidth, or a process on its core, shows
+up there, not as training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchkit import table  # noqa: E402
+
+from collm.edge_client.engine.timeline import read_timeline  # noqa: E402
+
+KINDS = ("step", "train", "eval", "other")
+
+
+class ReplicaTimeline:
+    """One replica's busy intervals (start, end, kind), sorted, with each step's slowdown factor."""
+
+    def __init__(self, events: list[dict]):
+        spans = []
+        for e in events:
+            if e["ev"] == "step":
+                spans.append((e["t"], e["t"] + e["s"], "step", e))
+            elif e["ev"] == "unit":
+                spans.append((e["t"], e["t"] + e["s"], "train" if e["job"] == "train" else "eval", e))
+        spans.sort(key=lambda s: s[0])
+        self.spans = spans
+        self.starts = [s[0] for s in spans]
+        by_shape: dict[tuple, list[float]] = defaultdict(list)
+        for _, _, kind, e in spans:
+            if kind == "step":
+                by_shape[self.shape(e)].append(e["s"])
+        self.typical = {k: statistics.median(v) for k, v in by_shape.items()}
+
+    @staticmethod
+    def shape(e: dict) -> tuple:
+        """Steps alike enough to compare: decode rows, prefill tokens in 32-token buckets."""
+        return e["dec"], -(-e["pf"] // 32)
+
+    def split(self, t0: float, t1: float) -> dict:
+        """Seconds of [t0, t1] in steps, training units, evaluation units and neither; the steps'
+        actual / typical time."""
+        out = dict.fromkeys(KINDS, 0.0)
+        actual = typical = 0.0
+        i = max(0, bisect.bisect_left(self.starts, t0) - 1)
+        while i < len(self.spans) and self.spans[i][0] < t1:
+            a, b, kind, e = self.spans[i]
+            overlap = min(b, t1) - max(a, t0)
+            if overlap > 0:
+                out[kind] += overlap
+                if kind == "step":
+                    actual += e["s"]
+                    typical += self.typical[self.shape(e)]
+            i += 1
+        out["other"] = max(0.0, (t1 - t0) - out["step"] - out["train"] - out["eval"])
+        out["slowdown"] = actual / typical if typical else None
+        return out
+
+
+def load_mode(results: dict, out: Path, mode: str) -> tuple[list[dict], dict] | None:
+    """The mode's load points and its replicas' timelines (by edge name), or None if it did not run."""
+    run = results["modes"].get(mode)
+    if run is None:
+        return None
+    timelines = {p.stem.removeprefix("timeline-"): ReplicaTimeline(read_timeline(p))
+                 for p in sorted((out / mode).glob("timeline-*.jsonl"))}
+    return run["points"], timelines
+
+
+def point_rows(points: list[dict], timelines: dict) -> list[dict]:
+    rows = []
+    for p in points:
+        groups: dict[str, list[dict]] = {"met": [], "missed": []}
+        for o, met in zip(p["outcomes"], p["slo_met"]):
+            tl = timelines.get(o["edge"] or "")
+            if tl is None or o["ttft_s"] is None:
+                continue
+            t0 = p["started_at"] + o["at"]
+            life = o["ttft_s"] + (o["tpot_s"] or 0.0) * max(0, (o["tokens"] or 1) - 1)
+            groups["met" if met else "missed"].append(tl.split(t0, t0 + life) | {"life": life})
+        for name, g in groups.items():
+            if not g:
+                continue
+            life = sum(x["life"] for x in g)
+            slow = [x["slowdown"] for x in g if x["slowdown"]]
+            rows.append({"fraction": p["fraction"], "group": name, "n": len(g),
+                         **{k: sum(x[k] for x in g) / life for k in KINDS},
+                         "life_s": life / len(g), "slowdown": statistics.median(slow) if slow else None})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="a collm-bench output folder run with `timeline: true`")
+    ap.add_argument("--modes", help="comma-separated (default: every mode with timelines)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    src = out / "results.json" if (out / "results.json").exists() else out / "results.partial.json"
+    results = json.loads(src.read_text())
+    modes = args.modes.split(",") if args.modes else list(results["modes"])
+    for mode in modes:
+        loaded = load_mode(results, out, mode)
+        if loaded is None or not loaded[1]:
+            print(f"{mode}: no timelines under {out / mode}")
+            continue
+        rows = point_rows(*loaded)
+        print(f"\n{mode}: share of the requests' lifetimes their replica spent in ...")
+        print(table(["load", "requests", "n", "serving steps", "training units", "eval units", "neither",
+                     "mean life s", "step slowdown"],
+                    [[f"{r['fraction']:g}x", r["group"], r["n"], f"{r['step']:.2f}", f"{r['train']:.2f}",
+                      f"{r['eval']:.2f}", f"{r['other']:.2f}", f"{r['life_s']:.2f}",
+                      "-" if r["slowdown"] is None else f"{r['slowdown']:.2f}"] for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
