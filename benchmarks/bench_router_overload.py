@@ -76,6 +76,65 @@ def start_routers(run: ModeRun, margin: float, tag: str = "") -> dict[str, str]:
     return urls
 
 
+def cpu_seconds(runs: dict) -> dict[str, float]:
+    """CPU seconds used so far by the edges, the routers and this process (the load generator): on 2
+    shared cores the harness competes with the edges it measures, so each point says how much it took."""
+    import psutil
+
+    out = {"edges": 0.0, "routers": 0.0, "loadgen": 0.0}
+    for run in runs.values():
+        for name, proc in run.group.procs:
+            try:
+                t = psutil.Process(proc.pid).cpu_times()
+            except psutil.Error:
+                continue
+            out["routers" if name.startswith("router") else "edges"] += t.user + t.system
+    me = psutil.Process().cpu_times()
+    out["loadgen"] = me.user + me.system
+    return out
+
+
+def slowdowns(results: dict, runs: dict) -> None:
+    """Per point, how much slower the edges' serving steps were than their median step of the same shape
+    over the whole run (`timeline_report`): a point far above 1 ran on a machine slowed by something
+    outside the point (another tenant, the harness), and a comparison with it is weak."""
+    from timeline_report import ReplicaTimeline
+
+    from collm.edge_client.engine.timeline import read_timeline
+
+    for e, run in runs.items():
+        tls = [ReplicaTimeline(read_timeline(p)) for p in sorted(run.out.glob("timeline-*.jsonl"))]
+        for q in results["points"]:
+            if q["edges"] == e and tls:
+                ratios = [tl.split(q["started_at"], q["ended_at"])["slowdown"] for tl in tls]
+                q["step_slowdown"] = max((r for r in ratios if r), default=None)
+
+
+PAIRS = (("slo+admission", "round_robin"), ("slo+admission", "slo"), ("slo", "round_robin"))
+
+
+def pooled(results: dict, max_slowdown: float, resamples: int) -> list[dict]:
+    """Each load fraction's repeats (`--fractions 1.5,2,1.5,2`) together: per router pair, the goodput
+    ratio over the requests of every kept repeat (paired bootstrap over requests; the same arrival in
+    both), and each repeat's own ratio. A repeat is kept only if none of its slots ran on a slowed
+    machine (step slowdown <= max_slowdown), for every router alike, so the filter favours none."""
+    out = []
+    for e in results["edges"]:
+        pts = [q for q in results["points"] if q["edges"] == e]
+        for f in sorted({q["fraction"] for q in pts}):
+            reps = sorted({q["point"] for q in pts if q["fraction"] == f})
+            slot = {(q["point"], q["router"]): q for q in pts if q["fraction"] == f}
+            kept = [k for k in reps if all((slot[k, r].get("step_slowdown") or 1.0) <= max_slowdown
+                                           for r in VARIANTS)]
+            for a, b in PAIRS:
+                each = [ratio_ci(slot[k, a]["slo_met"], slot[k, b]["slo_met"], resamples=100)[0] for k in reps]
+                met_a = [m for k in kept for m in slot[k, a]["slo_met"]]
+                met_b = [m for k in kept for m in slot[k, b]["slo_met"]]
+                out.append({"fraction": f, "edges": e, "pair": f"{a} / {b}", "repeats": reps, "kept": kept,
+                            "ratio": list(ratio_ci(met_a, met_b, resamples=resamples)), "per_repeat": each})
+    return out
+
+
 def misses(outcomes: list[dict]) -> dict[str, int]:
     """Why requests missed (`common.slo.slo_miss`, the bench's `miss` field), refusals (429) apart."""
     out = {"refused": 0, "ttft": 0, "tpot": 0, "failed": 0}
@@ -113,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-margins", default="1.0,1.25,1.5,2.0",
                    help="margins at which to replay admission's test on the slo router's requests")
     p.add_argument("--edges", default="default", help=f"edge variants, comma-separated, of {sorted(EDGE_VARIANTS)}")
+    p.add_argument("--max-slowdown", type=float, default=1.25,
+                   help="pool a load point's repeats only where every slot's step slowdown is at most this")
     p.add_argument("--out", default="runs/bench-router-overload")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, interrupt_on_signal)  # SIGTERM stops the edges and routers, like ^C
@@ -154,19 +215,23 @@ def main(argv: list[str] | None = None) -> int:
                 for e, name in order:
                     run = runs[e]
                     run.router = routers[e][name]
+                    cpu0 = cpu_seconds(runs)
                     pt = measure(run, plan, cfg, {"fraction": f, "router": name, "edges": e})
+                    cpu = {k: round(v - cpu0[k], 2) for k, v in cpu_seconds(runs).items()}
                     met[e, name] = pt["slo_met"]
                     why = misses(pt["outcomes"])
                     row = {k2: pt[k2] for k2 in ("fraction", "router", "edges", "rate", "requests", "slo_attainment",
                                                    "attainment_ci", "goodput_rps", "goodput_ci", "ttft_p50",
-                                                   "ttft_p90", "tpot_p50", "tpot_p90")}
+                                                   "ttft_p90", "tpot_p50", "tpot_p90", "started_at", "ended_at")}
                     check = would_refuse(pt["outcomes"], cfg.ttft_ms / 1000, check_margins) if name == "slo" else None
                     results["points"].append({**row, "refused": why["refused"], "misses": why, "point": k,
-                                              "would_refuse": check, "outcomes": pt["outcomes"]})
+                                              "slo_met": pt["slo_met"],
+                                              "would_refuse": check, "outcomes": pt["outcomes"], "cpu_s": cpu})
                     bar.write(f"  {f:g}x {e} {name}: goodput {pt['goodput_rps']:.2f} req/s "
                               f"[{pt['goodput_ci'][0]:.2f}, {pt['goodput_ci'][1]:.2f}], attainment "
                               f"{pt['slo_attainment']:.3f}, refused {why['refused']}/{pt['requests']}, late TTFT {why['ttft']}, "
-                              f"slow TPOT {why['tpot']}")
+                              f"slow TPOT {why['tpot']}; CPU s edges {cpu['edges']:.1f}, routers {cpu['routers']:.1f}, "
+                              f"load generator {cpu['loadgen']:.1f}")
                     bar.update(1)
                     time.sleep(cfg.load.drain_s)
 
@@ -187,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for run in runs.values():
             run.stop()
+    slowdowns(results, runs)
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
     def ci(v):
@@ -194,10 +260,12 @@ def main(argv: list[str] | None = None) -> int:
 
     others = edge_names[1:]
     print(table(["load", "edges", "router", "req", "attainment", "goodput (req/s)", "refused", "late TTFT",
-                 "slow TPOT", "vs round robin", "vs slo"] + [f"vs {e}" for e in others],
+                 "slow TPOT", "step slowdown", "vs round robin", "vs slo"] + [f"vs {e}" for e in others],
                 [[f"{q['fraction']:g}x", q["edges"], q["router"], q["requests"], f"{q['slo_attainment']:.3f}",
                   f"{q['goodput_rps']:.2f} [{q['goodput_ci'][0]:.2f}, {q['goodput_ci'][1]:.2f}]", q["refused"],
-                  q["misses"]["ttft"], q["misses"]["tpot"], ci(q.get("vs_round_robin")), ci(q.get("vs_slo"))]
+                  q["misses"]["ttft"], q["misses"]["tpot"],
+                  "-" if q.get("step_slowdown") is None else f"{q['step_slowdown']:.2f}",
+                  ci(q.get("vs_round_robin")), ci(q.get("vs_slo"))]
                  + [ci(q.get(f"vs_{e}")) for e in others] for q in results["points"]]))
     checked = [q for q in results["points"] if q.get("would_refuse")]
     if checked:
@@ -208,6 +276,15 @@ def main(argv: list[str] | None = None) -> int:
                       + q["misses"]["failed"] + q["refused"]]
                      + [f"{c['would_refuse']} / {c['met_anyway']} / {c['misses_caught']}"
                         for c in q["would_refuse"].values()] for q in checked]))
+    results["pooled"] = pooled(results, args.max_slowdown, cfg.bootstrap)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    if any(len(r["repeats"]) > 1 for r in results["pooled"]):
+        print(f"\nRepeats pooled per load point (slots with step slowdown > {args.max_slowdown:g} drop their repeat "
+              "for every router): goodput ratio over all kept requests, paired [95% CI], and each repeat's ratio")
+        print(table(["load", "edges", "ratio", "kept / repeats", "pooled", "per repeat"],
+                    [[f"{r['fraction']:g}x", r["edges"], r["pair"], f"{len(r['kept'])} / {len(r['repeats'])}",
+                      ci(r["ratio"]), ", ".join("-" if v is None else f"{v:.2f}" for v in r["per_repeat"])]
+                     for r in results["pooled"]]))
     print(f"capacity {results['capacity']:.3f} req/s; results {out / 'results.json'}")
     return 0
 

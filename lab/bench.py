@@ -295,7 +295,8 @@ def find_capacity(run: ModeRun, work: Workload, cfg: BenchConfig, bar) -> dict:
 
 def search_capacity(probe, c) -> dict:
     """Grow the rate from `c.start_rate` by `c.growth` until attainment falls below the target, then
-    bisect `c.refine` times; the capacity is the interpolated crossing. `probe(rate)` measures one
+    bisect `c.refine` times; the capacity is where all probes, read as the load points are
+    (`max_sustained_rate`), cross the target. `probe(rate)` measures one
     rate and returns a point with `rate` and `slo_attainment` (collm-bench over HTTP, collm-sim)."""
     probes: list[dict] = []
 
@@ -331,16 +332,30 @@ def search_capacity(probe, c) -> dict:
     if failed is None:
         rate = passed["rate"]
         note = "no probe failed: capacity is at least this (raise capacity.max_probes or start_rate)"
-    else:
-        (r0, a0), (r1, a1) = (passed["rate"], passed["slo_attainment"]), (failed["rate"], failed["slo_attainment"])
-        rate = r0 + (r1 - r0) * (a0 - c.target_attainment) / (a0 - a1) if a0 != a1 else r0
-        note = "interpolated between the last probe that passed and the first that failed"
+    else:  # the bench's own reading of a sweep, over every probe (`max_sustained_rate`)
+        rate = max_sustained_rate(probes, c.target_attainment)
+        note = "where the probes' attainment, fitted non-increasing in rate, crosses the target"
     return {"rate": rate, "note": note, "probes": probes, "target_attainment": c.target_attainment}
 
 
+def monotone_attainment(points: list[dict]) -> list[tuple[float, float]]:
+    """(rate, attainment) by rate, fitted non-increasing: pool-adjacent-violators, each point weighted
+    by its requests. Attainment cannot rise with load, so a point below a later one is noise; pooling
+    weighs the two by their samples instead of trusting whichever comes first."""
+    blocks: list[list[float]] = []  # [weighted sum, weight, points in block]
+    for r, a, w in sorted((p["rate"], p["slo_attainment"] or 0.0, float(p.get("requests") or 1)) for p in points):
+        blocks.append([a * w, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
+            s, w2, n = blocks.pop()
+            blocks[-1] = [blocks[-1][0] + s, blocks[-1][1] + w2, blocks[-1][2] + n]
+    fitted = [b[0] / b[1] for b in blocks for _ in range(b[2])]
+    return list(zip(sorted(p["rate"] for p in points), fitted))
+
+
 def max_sustained_rate(points: list[dict], target: float) -> float:
-    """Highest rate with attainment >= target, interpolated between the last pass and the first fail."""
-    pts = sorted((p["rate"], p["slo_attainment"] or 0.0) for p in points)
+    """Highest rate at which the fitted attainment (`monotone_attainment`) is >= target, interpolated
+    between the last fitted pass and the first fitted fail (from (0, 1) below the first point)."""
+    pts = monotone_attainment(points)
     best = 0.0
     for (r0, a0), (r1, a1) in zip([(0.0, 1.0)] + pts, pts):
         if a1 >= target:

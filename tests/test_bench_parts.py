@@ -1,11 +1,13 @@
 """collm-bench's pure parts: the workload at a rate, capacity interpolation, intervals, the output folder."""
 
+import math
+
 import pytest
 
 from collm.common.errors import UserError
 from collm.common.stats import mean_ci, ratio_ci
 from collm.common.traces import TraceRequest, at_rate
-from collm.lab.bench import Workload, max_sustained_rate, window_of
+from collm.lab.bench import Workload, max_sustained_rate, monotone_attainment, window_of
 from collm.lab.bench_config import BenchConfig
 from collm.lab.topology import prepare_out
 
@@ -31,10 +33,25 @@ def test_at_rate_keeps_the_shape_of_bursts():
 
 def test_max_sustained_rate_interpolates_between_pass_and_fail():
     pts = [{"rate": 1.0, "slo_attainment": 1.0}, {"rate": 2.0, "slo_attainment": 0.95},
-           {"rate": 3.0, "slo_attainment": 0.85}, {"rate": 4.0, "slo_attainment": 0.95}]
-    assert max_sustained_rate(pts, 0.9) == pytest.approx(2.5)  # later points do not count after a miss
+           {"rate": 3.0, "slo_attainment": 0.8}, {"rate": 4.0, "slo_attainment": 0.7}]
+    assert max_sustained_rate(pts, 0.9) == pytest.approx(2.0 + 0.05 / 0.15)
     assert max_sustained_rate(pts[:2], 0.9) == 2.0
     assert max_sustained_rate([{"rate": 1.0, "slo_attainment": 0.5}], 0.9) == pytest.approx(0.2)
+
+
+def test_max_sustained_rate_weighs_a_dip_against_the_passes_above_it():
+    """Attainment cannot rise with load: a dip followed by passes is pooled with them by their request
+    counts (collm in the 2026-12-02 run: 0.872 at 0.8 x C, then 0.974 and 0.957), not a stop."""
+    run = [{"rate": 0.29, "slo_attainment": 1.0, "requests": 40}, {"rate": 0.78, "slo_attainment": 0.872, "requests": 94},
+           {"rate": 0.97, "slo_attainment": 0.974, "requests": 117}, {"rate": 1.17, "slo_attainment": 0.957, "requests": 140}]
+    fitted = monotone_attainment(run)
+    assert [a for _, a in fitted][1:] == pytest.approx([(0.872 * 94 + 0.974 * 117 + 0.957 * 140) / 351] * 3)
+    assert all(a >= b for (_, a), (_, b) in zip(fitted, fitted[1:]))
+    assert max_sustained_rate(run, 0.9) == 1.17  # the pooled 0.94 passes up to the last point
+    # a real dip: pooled below the target, the crossing falls inside the pooled block's first segment
+    dip = [{"rate": 1.0, "slo_attainment": 1.0, "requests": 50}, {"rate": 2.0, "slo_attainment": 0.6, "requests": 50},
+           {"rate": 3.0, "slo_attainment": 0.9, "requests": 50}]
+    assert max_sustained_rate(dip, 0.9) == pytest.approx(1.0 + 0.1 / 0.25)  # pooled 0.75 at 2 and 3
 
 
 def test_intervals():
@@ -60,3 +77,21 @@ def test_output_folders_are_never_wiped_by_accident(tmp_path):
         prepare_out(run, overwrite=False)
     prepare_out(run, overwrite=True)
     assert not (run / "results.json").exists() and (run / ".collm-run").is_file()
+
+
+def test_capacity_search_reads_its_probes_as_the_load_points_are_read():
+    """search_capacity grows, bisects, then takes the monotone crossing of all probes: exact on a
+    linear curve, and a probe that failed below one that passed is pooled with it, not believed alone."""
+    from collm.lab.bench import search_capacity
+    from collm.lab.bench_config import CapacityConfig
+
+    c = CapacityConfig(start_rate=4, growth=1.5, refine=1, max_probes=6, target_attainment=0.9)
+    curve = lambda r: min(1.0, 1.3 - 0.05 * r)  # noqa: E731  crosses 0.9 at 8 req/s
+    cap = search_capacity(lambda r: {"rate": r, "slo_attainment": curve(r), "requests": 50}, c)
+    assert [p["rate"] for p in cap["probes"]] == pytest.approx([4, 6, 9, math.sqrt(54)])
+    assert cap["rate"] == pytest.approx(8.0)
+    # noise: the bisection probe at 7.35 fails worse (0.70) than the 9 req/s probe above it (0.89); the two
+    # are pooled (0.795) instead of taking 7.35's alone as the first failure
+    noisy = {round(math.sqrt(54), 6): 0.70, 9.0: 0.89}
+    cap = search_capacity(lambda r: {"rate": r, "slo_attainment": noisy.get(round(r, 6), curve(r)), "requests": 50}, c)
+    assert cap["rate"] == pytest.approx(6 + (math.sqrt(54) - 6) * 0.1 / 0.205)
