@@ -296,60 +296,72 @@ def find_capacity(run: ModeRun, work: Workload, cfg: BenchConfig, bar) -> dict:
 def search_capacity(probe, c) -> dict:
     """Grow the rate from `c.start_rate` by `c.growth` until attainment falls below the target, then
     bisect `c.refine` times; the capacity is where all probes, read as the load points are
-    (`max_sustained_rate`), cross the target. `probe(rate)` measures one
-    rate and returns a point with `rate` and `slo_attainment` (collm-bench over HTTP, collm-sim)."""
+    (`max_sustained_rate`), cross the target. With `c.confirm` a probe that fails is replayed once at
+    the same rate and the rate judged on both: on a shared machine one slow minute can fail a probe
+    that the same arrivals pass the next minute, and the whole run's load points would then be set
+    too light. `probe(rate)` measures one rate and returns a point with `rate`, `slo_attainment` and
+    `requests` (collm-bench over HTTP, collm-sim)."""
     probes: list[dict] = []
+    target = c.target_attainment
 
-    def run(rate: float) -> dict:
-        p = probe(rate)
-        probes.append(p)
-        return p
+    def passes(rate: float) -> bool:
+        here = [probe(rate)]
+        if here[0]["slo_attainment"] < target and c.confirm and len(probes) + 1 < c.max_probes:
+            here.append(probe(rate))  # the same arrivals again
+        probes.extend(here)
+        return monotone_attainment(here)[0][1] >= target
 
-    rate, passed, failed = c.start_rate, None, None
+    rate, passed, failed = c.start_rate, None, None  # the highest rate that passed, the lowest that failed
     while len(probes) < c.max_probes:
-        p = run(rate)
-        if p["slo_attainment"] >= c.target_attainment:
-            passed = p
+        if passes(rate):
+            passed = rate
             if failed is not None:
                 break
             rate *= c.growth
         else:
-            failed = p
+            failed = rate
             if passed is not None:
                 break
             rate /= c.growth
     for _ in range(c.refine):
         if passed is None or failed is None or len(probes) >= c.max_probes:
             break
-        p = run(math.sqrt(passed["rate"] * failed["rate"]))
-        if p["slo_attainment"] >= c.target_attainment:
-            passed = p
+        rate = math.sqrt(passed * failed)
+        if passes(rate):
+            passed = rate
         else:
-            failed = p
+            failed = rate
     if passed is None:
-        raise UserError(f"serve-only missed {c.target_attainment:.0%} attainment even at {probes[-1]['rate']:.3g} "
+        raise UserError(f"serve-only missed {target:.0%} attainment even at {probes[-1]['rate']:.3g} "
                         "req/s: lower capacity.start_rate or relax the SLOs (ttft_ms, tpot_ms)")
     if failed is None:
-        rate = passed["rate"]
+        rate = passed
         note = "no probe failed: capacity is at least this (raise capacity.max_probes or start_rate)"
     else:  # the bench's own reading of a sweep, over every probe (`max_sustained_rate`)
-        rate = max_sustained_rate(probes, c.target_attainment)
+        rate = max_sustained_rate(probes, target)
         note = "where the probes' attainment, fitted non-increasing in rate, crosses the target"
-    return {"rate": rate, "note": note, "probes": probes, "target_attainment": c.target_attainment}
+    return {"rate": rate, "note": note, "probes": probes, "target_attainment": target}
 
 
 def monotone_attainment(points: list[dict]) -> list[tuple[float, float]]:
-    """(rate, attainment) by rate, fitted non-increasing: pool-adjacent-violators, each point weighted
-    by its requests. Attainment cannot rise with load, so a point below a later one is noise; pooling
-    weighs the two by their samples instead of trusting whichever comes first."""
-    blocks: list[list[float]] = []  # [weighted sum, weight, points in block]
-    for r, a, w in sorted((p["rate"], p["slo_attainment"] or 0.0, float(p.get("requests") or 1)) for p in points):
-        blocks.append([a * w, w, 1])
+    """(rate, attainment) per distinct rate, ascending: points at one rate (a repeated probe) are one,
+    weighted by their requests; then fitted non-increasing by pool-adjacent-violators.
+    Attainment cannot rise with load, so a point below a later one is noise; pooling weighs the two
+    by their samples instead of trusting whichever comes first."""
+    by_rate: dict[float, list[float]] = {}
+    for p in points:
+        w = float(p.get("requests") or 1)
+        acc = by_rate.setdefault(p["rate"], [0.0, 0.0])
+        acc[0] += (p["slo_attainment"] or 0.0) * w
+        acc[1] += w
+    rates = sorted(by_rate)
+    blocks: list[list[float]] = []  # [weighted sum, weight, rates in block]
+    for r in rates:
+        blocks.append([*by_rate[r], 1])
         while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
-            s, w2, n = blocks.pop()
-            blocks[-1] = [blocks[-1][0] + s, blocks[-1][1] + w2, blocks[-1][2] + n]
-    fitted = [b[0] / b[1] for b in blocks for _ in range(b[2])]
-    return list(zip(sorted(p["rate"] for p in points), fitted))
+            s, w, n = blocks.pop()
+            blocks[-1] = [blocks[-1][0] + s, blocks[-1][1] + w, blocks[-1][2] + n]
+    return list(zip(rates, [b[0] / b[1] for b in blocks for _ in range(b[2])]))
 
 
 def max_sustained_rate(points: list[dict], target: float) -> float:

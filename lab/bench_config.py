@@ -53,6 +53,9 @@ class CapacityConfig(Strict):
     probe_s: float = Field(60.0, gt=0, description="seconds of arrivals per probe")
     min_requests: int = Field(40, ge=1, description="at least this many requests per probe")
     max_probes: int = Field(8, ge=1)
+    confirm: bool = Field(True, description="replay a probe that failed once more at the same rate and judge the "
+                                            "rate on both (one slow minute on a shared machine should not set the "
+                                            "capacity, and with it every load point, too low)")
     target_attainment: float = Field(0.9, gt=0, le=1)
 
 
