@@ -103,7 +103,7 @@ def slowdowns(results: dict, runs: dict) -> None:
     from collm.edge_client.engine.timeline import read_timeline
 
     for e, run in runs.items():
-        tls = [ReplicaTimeline(read_timeline(p)) for p in sorted(run.out.glob("timeline-*.jsonl"))]
+        tls = [ReplicaTimeline(read_timeline(p)) for p in sorted(run.out.glob("timeline-*.jsonl"))]  # this run's
         for q in results["points"]:
             if q["edges"] == e and tls:
                 ratios = [tl.split(q["started_at"], q["ended_at"])["slowdown"] for tl in tls]
@@ -127,7 +127,8 @@ def pooled(results: dict, max_slowdown: float, resamples: int) -> list[dict]:
             kept = [k for k in reps if all((slot[k, r].get("step_slowdown") or 1.0) <= max_slowdown
                                            for r in VARIANTS)]
             for a, b in PAIRS:
-                each = [ratio_ci(slot[k, a]["slo_met"], slot[k, b]["slo_met"], resamples=100)[0] for k in reps]
+                each = [sum(slot[k, a]["slo_met"]) / sum(slot[k, b]["slo_met"]) if sum(slot[k, b]["slo_met"]) else None
+                        for k in reps]
                 met_a = [m for k in kept for m in slot[k, a]["slo_met"]]
                 met_b = [m for k in kept for m in slot[k, b]["slo_met"]]
                 out.append({"fraction": f, "edges": e, "pair": f"{a} / {b}", "repeats": reps, "kept": kept,
@@ -193,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                        out / f"serve-only-{e}") for e in edge_names}
     results: dict = {"config": cfg.model_dump(mode="json"), "edges": edge_names, "points": []}
     combos = [(e, r) for e in edge_names for r in VARIANTS]
+    for run in runs.values():  # an earlier run's timelines in the same --out would blur this run's step medians
+        for old in run.out.glob("timeline-*.jsonl"):
+            old.unlink()
     try:
         routers = {}
         for e, run in runs.items():
@@ -280,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     if any(len(r["repeats"]) > 1 for r in results["pooled"]):
         print(f"\nRepeats pooled per load point (slots with step slowdown > {args.max_slowdown:g} drop their repeat "
-              "for every router): goodput ratio over all kept requests, paired [95% CI], and each repeat's ratio")
+              "for every router): goodput ratio over all kept requests, paired [95% CI over requests: it leaves out "
+              "the spread between repeats, which the per-repeat ratios show], and each repeat's ratio")
         print(table(["load", "edges", "ratio", "kept / repeats", "pooled", "per repeat"],
                     [[f"{r['fraction']:g}x", r["edges"], r["pair"], f"{len(r['kept'])} / {len(r['repeats'])}",
                       ci(r["ratio"]), ", ".join("-" if v is None else f"{v:.2f}" for v in r["per_repeat"])]

@@ -6,12 +6,13 @@
 For every request of every load point, the replica that served it is looked up in that replica's
 timeline (`engine.timeline`, one event per serving step and per unit of background work), and the
 request's life (from when it was sent to its last token) is split into the replica's time in
-serving steps, in training units, in evaluation units, and in neither (the loop not running the
-model: waiting for work, or held up by something outside it, e.g. another thread or process). The
-report prints, per mode and load point, those shares for the requests that met their SLOs and for
-those that missed, and how much slower the replica's steps were than its median step of the same
-shape over the whole run (a neighbour on shared memory bandwidth, or a process on its core, shows
-up there, not as training).
+serving steps, in training units, in evaluation units, and in neither: the loop's own work between
+forwards (admission, planning, sampling's bookkeeping, detokenizing and handing tokens to the HTTP
+side), waiting for work, or being held up by another thread or process. The report prints, per mode
+and load point, those shares for the requests that met their SLOs and for those that missed (only
+requests that reached a replica and got a first token: a refusal has no life on a replica), and how
+much slower the replica's steps were than its median step of the same shape over the whole run (a
+neighbour on shared memory bandwidth, or a process on its core, shows up there, not as training).
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ class ReplicaTimeline:
 
     @staticmethod
     def shape(e: dict) -> tuple:
-        """Steps alike enough to compare: decode rows, prefill tokens in 32-token buckets."""
-        return e["dec"], -(-e["pf"] // 32)
+        """Steps alike enough to compare: decode rows, prefill tokens in 32-token buckets, KV tokens
+        attended in 512-token buckets (timelines written before `att` was recorded: one bucket)."""
+        return e["dec"], -(-e["pf"] // 32), e.get("att", 0) // 512
 
     def split(self, t0: float, t1: float) -> dict:
         """Seconds of [t0, t1] in steps, training units, evaluation units and neither; the steps'

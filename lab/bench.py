@@ -284,7 +284,8 @@ def find_capacity(run: ModeRun, work: Workload, cfg: BenchConfig, bar) -> dict:
 
     def probe(rate: float) -> dict:
         n[0] += 1
-        plan = work.plan(work.segment(rate, c.probe_s, c.min_requests), run.model_id)
+        plan = work.plan(work.segment(rate, c.probe_s or cfg.load.seconds, c.min_requests or cfg.load.min_requests),
+                         run.model_id)
         p = measure(run, plan, cfg, {"probe": n[0]})
         bar.write(f"  capacity probe {n[0]}: {p['rate']:.3f} req/s, {p['requests']} requests, attainment "
                   f"{p['slo_attainment']:.3f} [{p['attainment_ci'][0]:.2f}, {p['attainment_ci'][1]:.2f}]")

@@ -50,8 +50,12 @@ class CapacityConfig(Strict):
     growth: float = Field(1.5, gt=1, description="each probe multiplies the rate by this until attainment drops")
     refine: int = Field(2, ge=0, description="bisection probes between the last rate that passed and the first "
                                              "that failed")
-    probe_s: float = Field(60.0, gt=0, description="seconds of arrivals per probe")
-    min_requests: int = Field(40, ge=1, description="at least this many requests per probe")
+    probe_s: float | None = Field(None, gt=0, description="seconds of arrivals per probe; default: load.seconds, so "
+                                  "a probe at rate r replays exactly the arrivals a load point at r replays (the "
+                                  "trace's later requests are burstier: shorter probes found capacities the points "
+                                  "then missed)")
+    min_requests: int | None = Field(None, ge=1, description="at least this many requests per probe; default: "
+                                     "load.min_requests")
     max_probes: int = Field(8, ge=1)
     confirm: bool = Field(True, description="replay a probe that failed once more at the same rate and judge the "
                                             "rate on both (one slow minute on a shared machine should not set the "

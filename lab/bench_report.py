@@ -149,7 +149,7 @@ def _markdown(results: dict, paths: dict) -> str:
                   f"{_ci(*p['attainment_ci'])} |" for p in cap["probes"]]
         lines.append("")
     so = modes.get("serve-only")
-    if so and so.get("max_rate", 0) > 1.05 * cap["rate"]:
+    if so and cap.get("probes") and so.get("max_rate", 0) > 1.05 * cap["rate"]:
         lines += [f"Serve-only's own load points sustained {so['max_rate']:.3f} req/s ({so['max_rate'] / cap['rate']:.2f} "
                   "× the capacity the probes found): the probes measured it low, so every point is lighter than "
                   "its name.", ""]

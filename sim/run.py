@@ -103,7 +103,8 @@ def capacity(cfg: SimConfig, reqs, n_edges: int, seed: int, max_requests: int | 
 
     def probe(rate: float) -> dict:
         n[0] += 1
-        seg = trace_segment(reqs, rate, _seconds(c.probe_s, rate, max_requests), c.min_requests)
+        seg = trace_segment(reqs, rate, _seconds(c.probe_s or cfg.load.seconds, rate, max_requests),
+                            c.min_requests or cfg.load.min_requests)
         r = simulate(cfg, "serve-only", n_edges, [seg], [{"probe": n[0]}], seed + 1000 * n[0])
         return {k: v for k, v in r["points"][0].items() if k != "slo_met"}
 

@@ -117,8 +117,10 @@ def test_every_replica_writes_a_timeline_that_accounts_for_its_requests(bench):
         rows = point_rows(points, timelines)
         served = sum(1 for p in points for o in p["outcomes"] if o["ttft_s"] is not None)
         assert sum(row["n"] for row in rows) == served, mode
-        for row in rows:
-            assert abs(sum(row[k] for k in KINDS) - 1.0) < 1e-6 and row["step"] > 0, (mode, row)
+        for row in rows:  # every served request overlaps its own prefill and decode steps on its replica
+            assert 0 < row["step"] <= 1 and all(row[k] >= 0 for k in KINDS), (mode, row)
+            if mode == "serve-only":
+                assert row["train"] == row["eval"] == 0, row
     def train_units(mode):
         return sum(1 for tl in load_mode(results, out, mode)[1].values() for *_, kind, _ in tl.spans if kind == "train")
 

@@ -585,3 +585,19 @@ def test_timeline_records_the_steps_units_and_publishes_that_happened(tmp_path):
     assert all(t_start <= e["t"] and e["t"] + e["s"] <= t_end for e in steps + units)
     busy = sorted(steps + units, key=lambda e: e["t"])
     assert all(a["t"] + a["s"] <= b["t"] + 1e-3 for a, b in zip(busy, busy[1:]))  # one loop: never overlapping
+
+
+def test_a_timeline_that_cannot_be_written_turns_itself_off_and_serving_goes_on():
+    """engine.timeline on a full disk (/dev/full: every write fails with ENOSPC): one warning, the
+    timeline stops recording, and requests, training and publishes carry on as without it."""
+    eng = tiny_engine(engine={"timeline": "/dev/full", "warmup": False})
+    try:
+        eng.timeline._flush_s = 0.0  # write at every event, so the first one already fails
+        fin = eng.generate(prompt(eng, PROMPTS[1]), GREEDY)
+        assert fin.reason == "length" and len(fin.token_ids) == GREEDY.max_tokens
+        assert eng.train(TrainBudget(steps=1)).result(timeout=120).steps == 1
+        eng.shadow.publish(random_adapter_state(eng, 5), 1)
+        assert eng.shadow.current_version == 1 and eng.failure is None
+        assert eng.timeline._file.closed
+    finally:
+        eng.stop()

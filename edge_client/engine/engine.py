@@ -270,6 +270,8 @@ class Engine:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        if self.timeline is not None:
+            self.timeline.close()  # also when the loop never started or did not stop in time
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, timeout: float = 300.0, **kw) -> FinishEvent:
         """Blocking helper: submit and wait for the finish event."""
@@ -313,6 +315,8 @@ class Engine:
                 self._incoming.clear()
                 if not self._running and not self._waiting and not self._has_job():
                     self._lock.wait(0.05)
+                    if self.timeline is not None:
+                        self.timeline.flush()  # a quiet replica's last events reach the file
                     continue
             self._drop_cancelled()
             self._admit()
@@ -396,7 +400,8 @@ class Engine:
         now = time.perf_counter()
         if self.timeline is not None:
             self.timeline.record("step", t=time.time() - (now - t0), s=now - t0, dec=shape.decode,
-                                 pf=shape.prefill, run=len(self._running), wait=len(self._waiting))
+                                 pf=shape.prefill, att=shape.attended, run=len(self._running),
+                                 wait=len(self._waiting))
         self.costs.step.observe(step_features(shape.decode, shape.prefill, shape.attended), now - t0)
         self.telemetry.record_step(now - t0, len(segments))
         self.policy.observe_step(now, now - t0)

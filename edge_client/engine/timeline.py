@@ -5,29 +5,34 @@ every unit of background work and every adapter the shadow published, one JSON l
 wall-clock times, so a slow request can be laid beside what its replica was doing
 (`benchmarks/timeline_report.py`). Events:
 
-    {"ev": "step", "t": start, "s": seconds, "dec": decoding rows, "pf": prefill tokens, "run": running, "wait": waiting}
-    {"ev": "unit", "t": start, "s": seconds, "job": train|eval, "unit": fwd|bwd|loss|..., "tok": tokens}
-    {"ev": "publish", "t": time, "version": v, "source": ...}
+    {"ev": "step", "t": start, "s": seconds, "dec": decoding rows, "pf": prefill tokens, "att": KV tokens attended,
+     "run": running, "wait": waiting}
+    {"ev": "unit", "t": start, "s": seconds, "job": train|eval, "unit": forward|backward|head, "tok": tokens, "why": verdict}
+    {"ev": "publish", "t": start, "s": seconds, "version": v, "source": ...}
 
-Off by default. On, it costs a small dict per event and a buffered write every second; any thread
-may record (publishes come from the federation client).
+Off by default. On, it costs a small dict per event and a buffered write about once a second; any
+thread may record (publishes come from the federation client). A write that fails (a full disk)
+turns the timeline off with one warning: a diagnostic must never take serving down.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
 
+log = logging.getLogger("collm.timeline")
+
 
 class Timeline:
-    """Buffered JSON-lines event log; `record` from any thread, `close` flushes."""
+    """Buffered JSON-lines event log: `record` from any thread, `flush` when due, `close` (idempotent) at the end."""
 
     def __init__(self, path: str | Path, flush_s: float = 1.0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1 << 16)
+        self._file = open(self.path, "a", buffering=1 << 16)  # an edge restarted with the same path appends
         self._lock = threading.Lock()
         self._buf: list[str] = []
         self._flush_s = flush_s
@@ -43,17 +48,37 @@ class Timeline:
             if time.monotonic() - self._flushed_at >= self._flush_s:
                 self._flush_locked()
 
+    def flush(self) -> None:
+        """Write what is buffered if the last write is older than `flush_s` (the engine calls this when idle,
+        so a quiet replica's last events reach the file without waiting for the next one)."""
+        with self._lock:
+            if not self._file.closed and self._buf and time.monotonic() - self._flushed_at >= self._flush_s:
+                self._flush_locked()
+
     def _flush_locked(self) -> None:
-        self._file.write("\n".join(self._buf) + "\n" if self._buf else "")
-        self._file.flush()
+        try:
+            if self._buf:
+                self._file.write("\n".join(self._buf) + "\n")
+            self._file.flush()
+        except OSError as e:
+            log.warning("engine timeline %s: writing failed (%s); the timeline is off from here", self.path, e)
+            try:
+                self._file.close()
+            except OSError:
+                pass
         self._buf.clear()
         self._flushed_at = time.monotonic()
 
     def close(self) -> None:
         with self._lock:
             if not self._file.closed:
+                self._flushed_at = -float("inf")
                 self._flush_locked()
-                self._file.close()
+                if not self._file.closed:
+                    try:
+                        self._file.close()
+                    except OSError:
+                        pass
 
 
 def read_timeline(path: str | Path) -> list[dict]:

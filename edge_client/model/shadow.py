@@ -103,10 +103,9 @@ class ShadowAdapter:
             kept = {k: v.detach().to("cpu", torch.float32).clone() for k, v in state.items()}
             self._flip(weights, info, kept)
             self._latest = version
-            self.last_publish_s = time.perf_counter() - t0
+            self.last_publish_s = dt = time.perf_counter() - t0
         if self.observer is not None:
-            self.observer(t=time.time() - self.last_publish_s, s=self.last_publish_s,
-                          version=version, source=source)
+            self.observer(t=time.time() - dt, s=dt, version=version, source=source)
         return weights
 
     def publish_local(self, state: dict[str, torch.Tensor], steps: int) -> AdapterWeights:
