@@ -85,6 +85,7 @@ def _plots(results: dict, paths: dict) -> None:
             ax.plot([x(p) for p in pts], [p["goodput_rps"] for p in pts], marker="o", label=m, color=COLORS.get(m))
             ax.fill_between([x(p) for p in pts], [p["goodput_ci"][0] for p in pts], [p["goodput_ci"][1] for p in pts],
                             alpha=0.2, color=COLORS.get(m))
+        _again(ax, results, x, "goodput_again")
         ax.set_xlabel("offered load (x serve-only capacity)")
         ax.set_ylabel("goodput (req/s meeting every SLO)")
         ax.legend()
@@ -96,6 +97,7 @@ def _plots(results: dict, paths: dict) -> None:
                         color=COLORS.get(m), capsize=3,
                         yerr=[[p["slo_attainment"] - p["attainment_ci"][0] for p in pts],
                               [p["attainment_ci"][1] - p["slo_attainment"] for p in pts]])
+        _again(ax, results, x, "attainment_again")
         ax.axhline(results["capacity"]["target_attainment"], color="grey", linestyle="--", linewidth=1)
         ax.set_xlabel("offered load (x serve-only capacity)")
         ax.set_ylabel("SLO attainment")
@@ -123,6 +125,14 @@ def _plots(results: dict, paths: dict) -> None:
         ax.set_xlabel("seconds after the first load point started")
         ax.set_ylabel("served adapter: held-out loss")
         ax.legend()
+
+
+def _again(ax, results: dict, x, key: str) -> None:
+    """The drift check's second serve-only pass, dashed: how far serve-only itself moved during the run."""
+    if results.get("drift") and "serve-only" in results["modes"]:
+        pts = results["modes"]["serve-only"]["points"]
+        ax.plot([x(p) for p in pts], [d[key] for d in results["drift"]], marker="o", linestyle="--",
+                color=COLORS["serve-only"], alpha=0.6, label="serve-only (again, at the end)")
 
 
 def _markdown(results: dict, paths: dict) -> str:
