@@ -473,16 +473,23 @@ def run_mode(cfg: BenchConfig, mode: str, out: Path, work: Workload, plans: list
     return result
 
 
-def drift_rows(first: list[dict], again: list[dict], resamples: int) -> list[dict]:
+def drift_rows(first: list[dict], again: list[dict], resamples: int,
+               others: dict[str, list[dict]] | None = None) -> list[dict]:
     """Serve-only measured twice, first and last, on the same arrivals: per point, the goodput ratio
     again / first with its paired 95% interval. An interval away from 1 means the machine's speed
-    changed during the run, and every ratio between modes carries that much doubt."""
+    changed during the run, and every ratio between modes carries that much doubt. `others` (mode ->
+    its points) adds each mode's goodput against the second pass too (`vs_again`), paired over the
+    same requests, so a mode can be read against whichever serve-only pass ran on the faster machine."""
     rows = []
-    for a, b in zip(first, again):
+    for i, (a, b) in enumerate(zip(first, again)):
         r, lo, hi = ratio_ci(b["slo_met"], a["slo_met"], resamples=resamples)
+        vs = {}
+        for mode, points in (others or {}).items():
+            vr, vlo, vhi = ratio_ci(points[i]["slo_met"], b["slo_met"], resamples=resamples)
+            vs[mode] = {"ratio": vr, "ci": [vlo, vhi]}
         rows.append({"fraction": a["fraction"], "goodput_first": a["goodput_rps"], "goodput_again": b["goodput_rps"],
                      "attainment_first": a["slo_attainment"], "attainment_again": b["slo_attainment"],
-                     "ratio": r, "ci": [lo, hi]})
+                     "ratio": r, "ci": [lo, hi], "vs_again": vs})
     return rows
 
 
@@ -537,7 +544,9 @@ def main(argv: list[str] | None = None) -> int:
             (out / "results.partial.json").write_text(json.dumps(results, indent=1))  # kept if a later mode fails
         if drift:
             again = run_mode(cfg, "serve-only", out / "serve-only-again", work, plans, judge, base_loss, bar)
-            results["drift"] = drift_rows(results["modes"]["serve-only"]["points"], again["points"], cfg.bootstrap)
+            others = {m: r["points"] for m, r in results["modes"].items() if m != "serve-only"}
+            results["drift"] = drift_rows(results["modes"]["serve-only"]["points"], again["points"], cfg.bootstrap,
+                                          others)
             bar.write("  drift (serve-only again / first, goodput): " + ", ".join(
                 f"{d['fraction']:g}x " + ("-" if d["ratio"] is None else
                                           f"{d['ratio']:.2f} [{d['ci'][0]:.2f}, {d['ci'][1]:.2f}]")

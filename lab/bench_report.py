@@ -187,15 +187,20 @@ def _markdown(results: dict, paths: dict) -> str:
         lines += ["", "Training throughput collm/isolated per point: " + ", ".join(
             f"{row['fraction']:g}× {_fmt(row['train_ratio'], 2)}" for row in results["ratios"]["collm/isolated"])]
     if results.get("drift"):
+        vs_modes = list(results["drift"][0].get("vs_again", {}))  # absent in results from before it was kept
         lines += ["", "## Drift check", "",
                   "Modes run one after another; serve-only ran again at the end on the same arrivals. A ratio "
-                  "between modes is good only to within how far this moved.", "",
-                  "| load | serve-only goodput first | again | again / first | attainment first → again |",
-                  "|---|---|---|---|---|"]
+                  "between modes is good only to within how far this moved; the last columns read each mode against the "
+                  "second pass (paired over the same requests).", "",
+                  "| load | serve-only goodput first | again | again / first | attainment first → again |"
+                  + "".join(f" {m} / again |" for m in vs_modes),
+                  "|---|---|---|---|---|" + "---|" * len(vs_modes)]
         for d in results["drift"]:
             lines.append(f"| {d['fraction']:g}× | {_fmt(d['goodput_first'])} | {_fmt(d['goodput_again'])} | "
                          f"{_fmt(d['ratio'], 2)}{_ci(*d['ci'])} | {_fmt(d['attainment_first'])} → "
-                         f"{_fmt(d['attainment_again'])} |")
+                         f"{_fmt(d['attainment_again'])} |" + "".join(
+                             f" {_fmt(d['vs_again'][m]['ratio'], 2)}{_ci(*d['vs_again'][m]['ci'])} |"
+                             for m in vs_modes))
     lines += ["", "## Per mode", "", f"| mode | max rate ≥ {cap['target_attainment']:.0%} (req/s) | × capacity | "
               "rounds | served loss start → end | startup (s) |", "|---|---|---|---|---|---|"]
     for m, r in modes.items():
