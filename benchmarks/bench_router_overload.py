@@ -184,7 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(edge_names) - set(EDGE_VARIANTS))
     if unknown or not edge_names:
         p.error(f"--edges: unknown variant(s) {unknown}; choose from {sorted(EDGE_VARIANTS)}")
-    overrides = {"out": args.out, "modes": ["serve-only"]}
+    try:
+        import psutil  # noqa: F401  (cpu_seconds; checked now, not after the capacity search)
+    except ImportError:
+        p.error("needs psutil for the per-slot CPU accounting: pip install -e '.[test]' (or pip install psutil)")
+    # timelines on whatever the config says: the step slowdown that pools repeats is read from them
+    # and the capacity probes as long as the points, as in collm-bench (capacity.probe_s defaults to load.seconds)
+    overrides = {"out": args.out, "modes": ["serve-only"], "timeline": True, "load": {"seconds": args.seconds}}
     if args.capacity:
         overrides["capacity"] = {"rate": args.capacity}
     cfg = load_config(BenchConfig, args.config, overrides)
@@ -213,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             results["capacity"] = capacity
             bar.write(f"  capacity (serve-only, {edge_names[0]} edges, round robin): {capacity:.3f} req/s")
             for k, f in enumerate(fractions):
-                plan = work.plan(work.segment(f * capacity, args.seconds, cfg.load.min_requests), first.model_id)
+                plan = work.plan(work.segment(f * capacity, cfg.load.seconds, cfg.load.min_requests), first.model_id)
                 order = combos[k % len(combos):] + combos[:k % len(combos)]  # rotate who goes first
                 met = {}
                 for e, name in order:

@@ -117,8 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     src = out / "results.json" if (out / "results.json").exists() else out / "results.partial.json"
+    if not src.exists():
+        ap.error(f"{out} has no results.json or results.partial.json: give a collm-bench output folder (its `out`)")
     results = json.loads(src.read_text())
     modes = args.modes.split(",") if args.modes else list(results["modes"])
+    unknown = sorted(set(modes) - set(results["modes"]))
+    if unknown:
+        ap.error(f"--modes: {unknown} not in this run; it has {sorted(results['modes'])}")
     for mode in modes:
         loaded = load_mode(results, out, mode)
         if loaded is None or not loaded[1]:

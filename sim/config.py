@@ -84,7 +84,7 @@ class SimConfig(Strict):
     finish_grace: float = Field(0.25, ge=0, le=1)
     trace: TraceConfig = TraceConfig(start_s=120.0, token_scale=0.1, max_prompt_tokens=96, max_output_tokens=16)
     capacity: CapacityConfig = CapacityConfig(start_rate=0.4, refine=3, probe_s=120.0, min_requests=200,
-                                              confirm=False)  # a simulated probe replays identically
+                                              confirm=False)  # the simulator's machine does not drift between probes
     load: LoadConfig = LoadConfig(fractions=[0.3, 0.8, 1.0, 1.2], seconds=120.0, min_requests=300)
     federation: FederationBudget = FederationBudget(round_deadline_s=30.0, round_token_budget=6000, rounds=1000)
     quality: QualityCurve = QualityCurve()

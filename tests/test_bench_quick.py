@@ -46,13 +46,20 @@ def test_report_json_and_plots_are_written(bench):
             assert d["ci"][0] <= d["ratio"] <= d["ci"][1]
             assert abs(d["ratio"] - d["goodput_again"] / d["goodput_first"]) < 1e-9
     # and every other mode is read against that second pass too, paired over the same requests
+    drift_rows = [line for line in report.split("## Drift check")[1].split("\n## ")[0].splitlines()
+                  if line.startswith("| ") and "×" in line]
+    assert len(drift_rows) == len(drift)
+    checked = 0
     for i, d in enumerate(drift):
         assert set(d["vs_again"]) == set(MODES) - {"serve-only"}
-        for mode, v in d["vs_again"].items():
+        cells = [c.strip() for c in drift_rows[i].strip("|").split("|")]
+        for j, (mode, v) in enumerate(d["vs_again"].items()):
             if v["ratio"] is not None:
                 assert abs(v["ratio"] - results["modes"][mode]["points"][i]["goodput_rps"] / d["goodput_again"]) < 1e-9
                 assert v["ci"][0] <= v["ratio"] <= v["ci"][1]
-                assert f"{v['ratio']:.2f}" in report
+                assert cells[5 + j] == f"{v['ratio']:.2f} [{v['ci'][0]:.2f}, {v['ci'][1]:.2f}]"  # its own column
+                checked += 1
+    assert checked, "no mode had a ratio against the second pass"
     assert "## Drift check" in report
     for r in results["modes"].values():  # each request's miss reason agrees with its SLO verdict
         for p in r["points"]:

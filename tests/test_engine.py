@@ -566,11 +566,12 @@ def test_timeline_records_the_steps_units_and_publishes_that_happened(tmp_path):
 
     path = tmp_path / "timeline.jsonl"
     t_start = time.time()
-    eng = tiny_engine(engine={"timeline": str(path), "warmup": False})
+    eng = tiny_engine(engine={"timeline": str(path), "warmup": False}, adapters={"retain": 2})
     try:
         fin = eng.generate(prompt(eng, PROMPTS[0]), GREEDY)
         rep = eng.train(TrainBudget(steps=2)).result(timeout=120)
         eng.shadow.publish(random_adapter_state(eng, 3), 1)
+        eng.shadow.rollback(0)  # the admin's undo is a publish too
     finally:
         eng.stop()
     t_end = time.time()
@@ -581,23 +582,40 @@ def test_timeline_records_the_steps_units_and_publishes_that_happened(tmp_path):
     assert len(steps) == len(fin.token_ids)  # a prompt that fits one step, then one step per further token
     assert sum(e["pf"] for e in steps) == len(prompt(eng, PROMPTS[0]))
     assert len(units) == rep.units and {e["job"] for e in units} == {"train"}
-    assert [e["version"] for e in publishes] == [0, 1]
+    assert [(e["version"], e["source"]) for e in publishes] == [(0, "initial"), (1, "federated"), (0, "rollback")]
     assert all(t_start <= e["t"] and e["t"] + e["s"] <= t_end for e in steps + units)
     busy = sorted(steps + units, key=lambda e: e["t"])
     assert all(a["t"] + a["s"] <= b["t"] + 1e-3 for a, b in zip(busy, busy[1:]))  # one loop: never overlapping
 
 
-def test_a_timeline_that_cannot_be_written_turns_itself_off_and_serving_goes_on():
+def test_a_timeline_that_cannot_be_written_turns_itself_off_and_serving_goes_on(caplog):
     """engine.timeline on a full disk (/dev/full: every write fails with ENOSPC): one warning, the
     timeline stops recording, and requests, training and publishes carry on as without it."""
     eng = tiny_engine(engine={"timeline": "/dev/full", "warmup": False})
     try:
-        eng.timeline._flush_s = 0.0  # write at every event, so the first one already fails
-        fin = eng.generate(prompt(eng, PROMPTS[1]), GREEDY)
-        assert fin.reason == "length" and len(fin.token_ids) == GREEDY.max_tokens
-        assert eng.train(TrainBudget(steps=1)).result(timeout=120).steps == 1
-        eng.shadow.publish(random_adapter_state(eng, 5), 1)
-        assert eng.shadow.current_version == 1 and eng.failure is None
-        assert eng.timeline._file.closed
+        with caplog.at_level("WARNING", logger="collm.timeline"):
+            eng.timeline._flush_s = 0.0  # write at every event, so the first one already fails
+            fin = eng.generate(prompt(eng, PROMPTS[1]), GREEDY)
+            assert fin.reason == "length" and len(fin.token_ids) == GREEDY.max_tokens
+            assert eng.train(TrainBudget(steps=1)).result(timeout=120).steps == 1
+            eng.shadow.publish(random_adapter_state(eng, 5), 1)
+            assert eng.shadow.current_version == 1 and eng.failure is None
+            assert eng.timeline._file.closed
     finally:
         eng.stop()
+    warnings = [r for r in caplog.records if r.name == "collm.timeline"]
+    assert len(warnings) == 1 and "writing failed" in warnings[0].getMessage()
+
+
+def test_a_timeline_path_that_cannot_be_opened_is_a_warning_and_the_edge_serves(tmp_path, caplog):
+    """engine.timeline naming a directory (or an unwritable place): the edge starts without a timeline and
+    says which setting to fix, instead of failing to start over a diagnostic."""
+    with caplog.at_level("WARNING", logger="collm.timeline"):
+        eng = tiny_engine(engine={"timeline": str(tmp_path), "warmup": False})
+    try:
+        assert eng.timeline is None
+        fin = eng.generate(prompt(eng, PROMPTS[1]), GREEDY)
+        assert fin.reason == "length" and len(fin.token_ids) == GREEDY.max_tokens
+    finally:
+        eng.stop()
+    assert any("engine.timeline" in r.getMessage() and "writable" in r.getMessage() for r in caplog.records)

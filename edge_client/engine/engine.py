@@ -37,7 +37,7 @@ from collm.edge_client.engine.planner import next_step_shape, plan_step, prefill
 from collm.edge_client.engine.requests import (AdmittedEvent, EngineError, EngineFailed, FinishEvent, PromptTooLong,
                                                QueueFull, Request, ShuttingDown, TokenEvent)
 from collm.edge_client.engine.telemetry import EdgeSnapshot, RequestRecord, Telemetry
-from collm.edge_client.engine.timeline import Timeline
+from collm.edge_client.engine.timeline import open_timeline
 from collm.edge_client.model.loading import LoadedModel
 from collm.edge_client.model.lora import TrainableAdapter, inject_lora
 from collm.edge_client.model.runner import KVPool, ModelRunner, Segment
@@ -87,7 +87,7 @@ class Engine:
         self.shadow = ShadowAdapter(self.layers, lm.device, lm.dtype, retain=cfg.adapters.retain)
         adapter = TrainableAdapter(self.layers, lm.device, seed=seed)
         self.initial_state = adapter.state_dict_peft()  # identical on every edge: the round-1 start
-        self.timeline = Timeline(cfg.engine.timeline) if cfg.engine.timeline else None
+        self.timeline = open_timeline(cfg.engine.timeline)
         if self.timeline is not None:
             self.shadow.observer = lambda **kw: self.timeline.record("publish", **kw)
         self.shadow.publish(self.initial_state, 0, source="initial")  # B = 0: the base model
@@ -313,11 +313,12 @@ class Engine:
                     break
                 self._waiting.extend(self._incoming)
                 self._incoming.clear()
-                if not self._running and not self._waiting and not self._has_job():
+                idle = not self._running and not self._waiting and not self._has_job()
+                if idle:
                     self._lock.wait(0.05)
-                    if self.timeline is not None:
-                        self.timeline.flush()  # a quiet replica's last events reach the file
-                    continue
+            if idle:
+                self._flush_timeline()
+                continue
             self._drop_cancelled()
             self._admit()
             segments = self._plan_step()
@@ -327,7 +328,14 @@ class Engine:
             if not segments and not ran:
                 with self._lock:
                     self._lock.wait(0.01)  # a job that must wait with nothing to serve: don't spin
+                self._flush_timeline()
         self._fail_all("the edge stopped")
+
+    def _flush_timeline(self) -> None:
+        """A quiet replica's last events reach the file (outside the engine lock: a slow disk must not
+        hold up submit and cancel)."""
+        if self.timeline is not None:
+            self.timeline.flush()
 
     def _has_job(self) -> bool:
         return self._job is not None or bool(self._jobs) or self._carry_runnable()

@@ -26,6 +26,19 @@ from pathlib import Path
 log = logging.getLogger("collm.timeline")
 
 
+def open_timeline(path: str | Path | None) -> Timeline | None:
+    """The timeline at `path`, or None when it is off or cannot be opened (a warning names the setting):
+    like a failed write, a path that cannot be written must not keep the edge from serving."""
+    if not path:
+        return None
+    try:
+        return Timeline(path)
+    except OSError as e:
+        log.warning("engine.timeline %s cannot be opened (%s); the edge serves without a timeline "
+                    "(set engine.timeline to a writable file path)", path, e)
+        return None
+
+
 class Timeline:
     """Buffered JSON-lines event log: `record` from any thread, `flush` when due, `close` (idempotent) at the end."""
 

@@ -128,6 +128,7 @@ class ShadowAdapter:
 
     def rollback(self, version: int, persist: Callable[[dict, VersionInfo], None] | None = None) -> VersionInfo:
         """Serve the retained `version` again (the admin's undo); UnknownVersion if it is not retained."""
+        t0 = time.perf_counter()
         with self._publishing:
             with self._lock:
                 if version not in self._retained:
@@ -143,6 +144,9 @@ class ShadowAdapter:
                     self._current = weights
                     self.swaps += 1
                 self.history.append(info)
+        if self.observer is not None:
+            dt = time.perf_counter() - t0
+            self.observer(t=time.time() - dt, s=dt, version=version, source="rollback")
         return info
 
     def _flip(self, weights: AdapterWeights, info: VersionInfo, state: dict[str, torch.Tensor]) -> None:
