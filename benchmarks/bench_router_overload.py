@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         import psutil  # noqa: F401  (cpu_seconds; checked now, not after the capacity search)
     except ImportError:
         p.error("needs psutil for the per-slot CPU accounting: pip install -e '.[test]' (or pip install psutil)")
-    # timelines on whatever the config says: the step slowdown that pools repeats is read from them
-    # and the capacity probes as long as the points, as in collm-bench (capacity.probe_s defaults to load.seconds)
+    # timelines on, whatever the config says (the step slowdown that decides which repeats pool is read
+    # from them); load.seconds = --seconds, so capacity probes are as long as the points, as in collm-bench
     overrides = {"out": args.out, "modes": ["serve-only"], "timeline": True, "load": {"seconds": args.seconds}}
     if args.capacity:
         overrides["capacity"] = {"rate": args.capacity}

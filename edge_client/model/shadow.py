@@ -103,9 +103,8 @@ class ShadowAdapter:
             kept = {k: v.detach().to("cpu", torch.float32).clone() for k, v in state.items()}
             self._flip(weights, info, kept)
             self._latest = version
-            self.last_publish_s = dt = time.perf_counter() - t0
-        if self.observer is not None:
-            self.observer(t=time.time() - dt, s=dt, version=version, source=source)
+            self.last_publish_s = time.perf_counter() - t0
+        self._observe(self.last_publish_s, version, source)
         return weights
 
     def publish_local(self, state: dict[str, torch.Tensor], steps: int) -> AdapterWeights:
@@ -114,9 +113,7 @@ class ShadowAdapter:
         t0 = time.perf_counter()
         weights = self._layers.serving_weights(state, LOCAL_VERSION, self._device, self._dtype,
                                                meta={"local": True, "steps": steps, "based_on": self.current_version})
-        if self.observer is not None:
-            dt = time.perf_counter() - t0
-            self.observer(t=time.time() - dt, s=dt, version="local", source="local")
+        self._observe(time.perf_counter() - t0, "local", "local")
         with self._lock:
             self._local = weights
             self.local_publishes += 1
@@ -128,8 +125,8 @@ class ShadowAdapter:
 
     def rollback(self, version: int, persist: Callable[[dict, VersionInfo], None] | None = None) -> VersionInfo:
         """Serve the retained `version` again (the admin's undo); UnknownVersion if it is not retained."""
-        t0 = time.perf_counter()
         with self._publishing:
+            t0 = time.perf_counter()  # its own duration, not the wait for a concurrent publish
             with self._lock:
                 if version not in self._retained:
                     raise UnknownVersion(version, sorted(self._retained))
@@ -144,10 +141,14 @@ class ShadowAdapter:
                     self._current = weights
                     self.swaps += 1
                 self.history.append(info)
-        if self.observer is not None:
             dt = time.perf_counter() - t0
-            self.observer(t=time.time() - dt, s=dt, version=version, source="rollback")
+        self._observe(dt, version, "rollback")
         return info
+
+    def _observe(self, dt: float, version: int | str, source: str) -> None:
+        """Tell the observer (the engine's timeline) of a publish that just took `dt` seconds."""
+        if self.observer is not None:
+            self.observer(t=time.time() - dt, s=dt, version=version, source=source)
 
     def _flip(self, weights: AdapterWeights, info: VersionInfo, state: dict[str, torch.Tensor]) -> None:
         version = weights.version
