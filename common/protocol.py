@@ -74,6 +74,8 @@ class LoadReport:
     adapter_version: int = -1        # the version the edge serves
     refused_version: int = -1        # the last global its canary gate refused to serve (-1: none)
     carried_tokens: int = 0          # tokens trained since its last update, sent with its next one
+    train_share: float = 0.0         # f, training seconds per second its co-execution rule grants beside serving
+    budget_fill: float | None = None  # tokens it trained last round / its budget (< 1: it could not keep up); None = unknown
 
     @staticmethod
     def key(field_name: str) -> str:
@@ -108,4 +110,6 @@ class LoadReport:
             train_examples=int(num("train-examples")), gain_per_ktok=gain if gain != UNKNOWN else None,
             train_tokens_per_s=num("train-tokens-per-s"), goodput=num("goodput"),
             adapter_version=int(num("adapter-version", UNKNOWN)),
-            refused_version=int(num("refused-version", UNKNOWN)), carried_tokens=int(num("carried-tokens")))
+            refused_version=int(num("refused-version", UNKNOWN)), carried_tokens=int(num("carried-tokens")),
+            train_share=min(max(num("train-share"), 0.0), 1.0),
+            budget_fill=fill if (fill := num("budget-fill", UNKNOWN)) >= 0 else None)

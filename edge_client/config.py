@@ -129,6 +129,40 @@ class DataConfig(Strict):
         return self
 
 
+class FeedbackConfig(Strict):
+    """The co-execution controller (`training.co_schedule: slo_feedback`, edge_client/engine/co_schedule.py):
+    how fast training's share of busy time follows the measured latency slack."""
+
+    period_s: float = Field(1.0, gt=0, le=60, description="the share is adjusted at most this often (seconds)")
+    window_requests: int = Field(20, ge=1, le=10_000, description="the percentile is over this many of the most "
+                                 "recent finished requests ...")
+    window_s: float = Field(60.0, gt=0, le=3600, description="... none older than this (seconds)")
+    min_requests: int = Field(8, ge=1, description="fewer fresh requests than this: no evidence, the share holds")
+    quantile: float = Field(0.9, gt=0, le=1, description="the latency percentile the slack is measured at")
+    slack_low: float = Field(0.2, ge=0, lt=1, description="slack (1 - latency / target) below this: the share "
+                             "steps down")
+    slack_high: float = Field(0.3, gt=0, lt=1, description="slack above this: the share steps up (only while it is "
+                              "what refuses training)")
+    step: float = Field(0.03, gt=0, le=1, description="additive step of the share per period")
+    backoff: float = Field(0.5, ge=0, lt=1, description="the share is multiplied by this on a miss, a long wait "
+                           "or a request shed as late")
+    cool_s: float = Field(10.0, ge=0, description="no growth this long after a cut (seconds)")
+    queue_cut: float = Field(0.25, gt=0, le=1, description="a request waiting longer than this fraction of its "
+                             "TTFT target cuts the share")
+    f_max: float = Field(0.8, ge=0, le=1, description="the share stays in [0, f_max] (training seconds per second)")
+    stale_s: float = Field(30.0, ge=0, description="no evidence this long: the share falls to 0 (idle time only)")
+
+    @model_validator(mode="after")
+    def _check(self) -> FeedbackConfig:
+        if self.slack_low >= self.slack_high:
+            raise ValueError(f"feedback.slack_low ({self.slack_low:g}) must be below feedback.slack_high "
+                             f"({self.slack_high:g}): between them is the band where the share holds")
+        if self.min_requests > self.window_requests:
+            raise ValueError(f"feedback.min_requests ({self.min_requests}) must not exceed feedback.window_requests "
+                             f"({self.window_requests})")
+        return self
+
+
 class TrainingConfig(Strict):
     """Local LoRA training: micro-batches co-scheduled inside the SLO slack."""
 
@@ -138,22 +172,27 @@ class TrainingConfig(Strict):
     grad_accum_steps: int = Field(4, ge=1, description="micro-batches per optimizer step")
     max_seq_len: int = Field(256, ge=16)
     reset_optimizer_each_round: bool = True
-    co_schedule: Literal["work_conserving", "naive"] = Field(
-        "work_conserving", description="work_conserving: training only in time serving does not need (CoLLM; "
-        "edge_client/engine/co_schedule.py); naive: a whole micro-batch after every serving step (the baseline "
-        "without SLO control)")
-    busy_share: float = Field(0.0, ge=0, le=1, description="while requests decode, training may take up to "
-                              "busy_share - rho - busy_margin of the replica (rho: measured serving busy fraction); "
-                              "0: only idle time")
+    co_schedule: Literal["slo_feedback", "work_conserving", "naive"] = Field(
+        "slo_feedback", description="slo_feedback: training in idle time, and beside decodes as much as the "
+        "measured latency slack allows (`feedback`; CoLLM, edge_client/engine/co_schedule.py); work_conserving: "
+        "idle time plus a fixed share (`busy_share`); naive: a whole micro-batch after every serving step (the "
+        "baseline without SLO control)")
+    feedback: FeedbackConfig = FeedbackConfig()
+    busy_share: float = Field(0.0, ge=0, le=1, description="work_conserving only: while requests decode, training "
+                              "may take up to busy_share - rho - busy_margin of the replica (rho: measured serving "
+                              "busy fraction); 0: only idle time")
     busy_margin: float = Field(0.1, ge=0, le=1)
     busy_window_s: float = Field(10.0, gt=0, description="window over which rho is measured")
     default_round_tokens: int = Field(4096, ge=1, description="round budget when the server assigns none")
     finish_grace: float = Field(0.25, ge=0, le=1, description="a micro-batch in flight at the round's deadline "
                                 "may finish within this fraction of the deadline after it (no new one starts); "
                                 "0: cut it off and lose its work")
-    carry_between_rounds: bool = Field(True, description="after a round's update is sent, keep training in "
-                                       "idle time until the next round; that work is rebased onto the new "
+    carry_between_rounds: bool = Field(True, description="after a round's update is sent, keep training "
+                                       "(as serving allows) until the next round; that work is rebased onto the new "
                                        "global and sent with the next update (edge_client/training/trainer.py)")
+    carry_budget_rounds: float = Field(4.0, gt=0, le=100, description="the carry trains up to this many times "
+                                        "the last round's token budget: idle time between rounds is not left unused, "
+                                        "and an edge that sits rounds out does not drift without bound")
     eval_batch_size: int = Field(4, ge=1)
     max_eval_records: int | None = Field(64, ge=1, description="cap on holdout records per evaluation")
 

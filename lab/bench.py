@@ -117,6 +117,14 @@ def window_span(last_arrival_s: float, n: int) -> float:
 
 
 # ----------------------------------------------------------------------------- topology
+def edge_policy(mode: str, collm_policy: str) -> str:
+    """The co-execution policy (`training.co_schedule`) of a mode's edges: collm's is the config's choice,
+    colocated-naive's the naive baseline; the others never train beside serving (the rule only sees idle time)."""
+    if mode == "colocated-naive":
+        return "naive"
+    return collm_policy if mode == "collm" else "work_conserving"
+
+
 def mode_roles(mode: str, n: int) -> list[str]:
     """What each replica does in `mode`: serve+train, serve, or train."""
     if mode == "isolated":
@@ -145,7 +153,7 @@ class ModeRun:
         self.admin_token = secrets.token_urlsafe(24)  # the isolated serving replicas' admin API: this run only
         for i, role in enumerate(self.roles):
             cores = replica_cores(i, cfg.replicas)
-            training = {"co_schedule": "naive" if mode == "colocated-naive" else "work_conserving",
+            training = {"co_schedule": edge_policy(mode, cfg.co_schedule),
                         "busy_share": cfg.busy_share if mode == "collm" else 0.0,
                         "max_eval_records": cfg.federation.eval_records}
             name = f"{role.replace('+', '-')}{i}"

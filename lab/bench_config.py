@@ -95,7 +95,10 @@ class BenchConfig(Strict):
     warmup_s: float = Field(5.0, ge=0, description="run each topology this long before its first point")
     ttft_ms: float = Field(1000.0, gt=0, allow_inf_nan=False)
     tpot_ms: float = Field(100.0, gt=0, allow_inf_nan=False)
-    busy_share: float = Field(0.0, ge=0, le=1, description="collm edges' training.busy_share")
+    co_schedule: Literal["slo_feedback", "work_conserving"] = Field(
+        "slo_feedback", description="collm edges' training.co_schedule: slo_feedback (the controller; its settings "
+        "under edge: {training: {feedback: ...}}) or work_conserving (idle time plus busy_share)")
+    busy_share: float = Field(0.0, ge=0, le=1, description="collm edges' training.busy_share (work_conserving)")
     collm_routing: Literal["slo", "round_robin", "least_outstanding"] = Field(
         "slo", description="collm's router policy (the other modes route round robin: one serving replica, or "
                            "replicas that all look alike)")

@@ -12,8 +12,10 @@ co-execution is not work-conserving).
 For edge i the report gives: request rate λ_i, SLO attainment A_i (None: nothing completed yet),
 spare capacity s_i ∈ [0, 1] (fraction of time not serving), queue depth q_i, local training
 examples n_i, last quality gain per 1k training tokens g_i (None: unknown), idle training
-throughput c_i (tokens/s) and k_i, tokens it already trained since its last update (its carry
-between rounds, `training.carry_between_rounds`), which its next update sends. With target attainment A*, round deadline D, round token budget B,
+throughput c_i (tokens/s), k_i, tokens it already trained since its last update (its carry
+between rounds, `training.carry_between_rounds`), which its next update sends, and its budget fill
+f_i (below). Spare time s_i is time not in serving steps: under the co-execution controller that
+includes what training takes beside decodes, so the cap already follows how much slack an edge has. With target attainment A*, round deadline D, round token budget B,
 spare-use fraction u and minimum share m:
 
     eligible_i  =  n_i > 0  and  (A* unset  or  A_i is None  or  A_i ≥ A*)
@@ -36,11 +38,12 @@ spreads the budget in proportion to weight. Its solution is water-filling:
 
 An edge whose x_i < m sits the round out; the water-filling is then solved again without it (its
 tokens go to the others), until every remaining edge gets at least m. With `fill_budget` (the
-server's default), what the caps leave of B, B - Σ x_i, is then handed out in proportion to w_i:
-a cap is only an estimate from a window of load, and an edge that reaches its budget stops
-training with spare time left, while one given more than it can train just meets the deadline
-(its co-execution rule keeps training out of serving's way either way). Every participant gets
-budget ⌊x_i⌋ tokens and the same deadline D.
+server's default), what the caps leave of B, B - Σ x_i, is then handed out in proportion to w_i
+among the edges that kept up last round (budget fill f_i = tokens trained / budget ≥ 0.99, or
+unknown): a cap is only an estimate from a window of load, and an edge that reaches its budget
+stops training with spare time left, while one that could not train its last budget would only
+carry more of it past the deadline (it reports f_i < 1 and gets its cap, no more). Every
+participant gets budget ⌊x_i⌋ tokens and the same deadline D.
 
 Partial participation (`fraction_train` < 1): before the rule above, `choose_participants` keeps
 k of the N edges that reported, k = max(⌊N · fraction⌋, min_train_nodes): first the edges that can
@@ -59,6 +62,7 @@ from dataclasses import dataclass
 from collm.common.protocol import LoadReport
 
 GAIN_FLOOR_FRACTION = 0.01  # ε above
+KEPT_UP = 0.99  # budget fill at or above which an edge kept up with its last budget
 
 
 @dataclass(frozen=True)
@@ -154,9 +158,11 @@ def balance(reports: list[LoadReport], p: BalancerParams) -> list[Decision]:
         taking.discard(k)
 
     left = p.round_token_budget - sum(x[k] for k in taking)
-    weight_taking = sum(weights[k] for k in taking)
-    extra = {k: (left * weights[k] / weight_taking if p.fill_budget and left > 0 and weight_taking > 0 else 0.0)
-             for k in taking}
+    fill = {r.name: r.budget_fill for r in eligible}
+    kept_up = {k for k in taking if fill[k] is None or fill[k] >= KEPT_UP}
+    weight_up = sum(weights[k] for k in kept_up)
+    extra = {k: (left * weights[k] / weight_up if p.fill_budget and left > 0 and k in kept_up and weight_up > 0
+                 else 0.0) for k in taking}
 
     decisions = []
     for r in reports:
@@ -176,6 +182,10 @@ def balance(reports: list[LoadReport], p: BalancerParams) -> list[Decision]:
                    f"{r.train_examples} examples), cap {caps[name]:.0f}")
         if extra[name]:
             why += f", + {extra[name]:.0f} of the budget the caps left"
+        elif p.fill_budget and left > 0 and name not in kept_up:
+            why += f"; trained {fill[name]:.0%} of its last budget, so none of the budget the caps left"
+        if r.train_share > 0:
+            why += f"; trains beside serving at {r.train_share:.2f} s/s"
         decisions.append(Decision(name, True, tokens, float(p.round_deadline_s), f"{tokens} tokens; {why}",
                                   caps[name], weights[name]))
     return decisions

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from collm.common.config import Strict
+from collm.edge_client.config import FeedbackConfig
 from collm.lab.bench_config import MODES, CapacityConfig, FederationBudget, LoadConfig, TraceConfig
 
 
@@ -76,7 +77,10 @@ class SimConfig(Strict):
     ttft_ms: float = Field(3000.0, gt=0)
     tpot_ms: float = Field(400.0, gt=0)
     slo_safety: float = Field(0.8, gt=0, le=1)
-    busy_share: float = Field(0.0, ge=0, le=1, description="collm edges' training.busy_share")
+    co_schedule: Literal["slo_feedback", "work_conserving"] = Field(
+        "slo_feedback", description="collm edges' training.co_schedule (as in collm-bench)")
+    feedback: FeedbackConfig = Field(default_factory=FeedbackConfig, description="collm edges' training.feedback")
+    busy_share: float = Field(0.0, ge=0, le=1, description="collm edges' training.busy_share (work_conserving)")
     collm_routing: Literal["slo", "round_robin", "least_outstanding"] = "slo"
     eval_records: int = Field(8, ge=1, description="holdout records each training edge evaluates per round")
     train_examples: int = Field(1500, ge=1, description="local training examples per edge (balancer weight)")

@@ -24,6 +24,7 @@ from collections import deque
 from itertools import accumulate
 
 from collm.edge_client.engine.co_schedule import RequestSlack, ServingLoad
+from collm.edge_client.engine.replica import latencies, outcome
 from collm.edge_client.engine.planner import next_step_shape, plan_step, prefill_time, step_shape, too_late
 from collm.sim.profile import EdgeProfile
 
@@ -132,8 +133,9 @@ class SimJob:
 
 class SimEdge:
     def __init__(self, index: int, name: str, profile: EdgeProfile, role: str, policy, world, seed: int,
-                 ttft_slo: float, tpot_slo: float, safety: float):
+                 ttft_slo: float, tpot_slo: float, safety: float, carry_rounds: float = 4.0):
         self.index, self.name, self.p, self.role, self.policy, self.world = index, name, profile, role, policy, world
+        self.carry_rounds = carry_rounds  # training.carry_budget_rounds
         self.rng = random.Random(seed)
         self.ttft_slo, self.tpot_slo, self.safety = ttft_slo, tpot_slo, safety
         self.serves, self.trains = "serve" in role, "train" in role
@@ -147,6 +149,7 @@ class SimEdge:
         self.act: tuple | None = None  # (kind, start, end, data)
         self.epoch = 0
         self._stepped = False
+        self._step_end = 0.0  # when the last serving step ended (the per-step cap counts from it)
         self._stable_refusal = True
         # counters (cumulative; the world windows them)
         self.busy_s = 0.0         # serving steps
@@ -155,6 +158,7 @@ class SimEdge:
         self.train_tokens = 0
         self.finished = 0
         self.met = 0
+        self.budget_fill: float | None = None  # tokens trained / budget last round (the load report's)
 
     # ------------------------------------------------------------------ inputs
     def arrive(self, r: SimRequest, now: float) -> bool:
@@ -236,7 +240,7 @@ class SimEdge:
         ahead = sum(r.prefill_left for r in self.running)
         for r in self.waiting:
             if too_late(now, r.arrival, prefill_time(ahead + len(r.prompt_ids), B, self.p.step_s), r.ttft_slo):
-                self.world.finished(r, self, now, "expired")
+                self._ended(r, now, "expired")
             else:
                 keep.append(r)
                 ahead += len(r.prompt_ids)
@@ -300,13 +304,22 @@ class SimEdge:
         self._stepped = True
 
     def _served(self, end: float, seconds: float) -> None:
+        self._step_end = end
         self.busy_s += seconds
         self.policy.observe_step(end, seconds)
 
     def _finish(self, r: SimRequest, now: float) -> None:
         self.running.remove(r)
         self.free.append(r.slot)
-        self.world.finished(r, self, now, "length")
+        self._ended(r, now, "length")
+
+    def _ended(self, r: SimRequest, now: float, status: str) -> None:
+        """The request leaves the edge: the co-execution policy learns its latencies (as the engine's
+        `_finish` tells it), the world records the outcome."""
+        ttft, tpot = latencies(r.arrival, r.first_token_at, len(r.out_ids), now)
+        if (seen := outcome(status, ttft, tpot, r.ttft_slo, r.tpot_slo)) is not None:
+            self.policy.observe_request(now, seen)
+        self.world.finished(r, self, now, status, ttft, tpot)
 
     # ------------------------------------------------------------------ background work
     def _pick_job(self, now: float) -> SimJob | None:
@@ -333,7 +346,7 @@ class SimEdge:
         reqs = tuple(RequestSlack(r.arrival, r.first_token_at, len(r.out_ids), r.ttft_slo, r.tpot_slo,
                                   r.prefill_left) for r in (*running, *waiting))
         return ServingLoad(now, len(running), len(waiting), sum(r.prefill_left for r in running), step_s, reqs,
-                           self.p.step_token_budget, self.safety)
+                           self.p.step_token_budget, self.safety, max(0.0, now - self._step_end))
 
     def _background(self, now: float) -> bool:
         """Start background work if the policy admits it; True if something started."""
@@ -374,6 +387,7 @@ class SimEdge:
             self.beside_s += seconds
         if kind == UNIT and busy_share:
             self.policy.spent(seconds)
+            self._stepped = True  # beside decodes the engine asks again before its next step
         if job.kind == "train":
             self.train_tokens += tokens
         if job.done() or now >= job.deadline:
@@ -392,7 +406,7 @@ class SimEdge:
         if job.on_done is not None:
             job.on_done(self, job, now)
         if job.kind == "train" and job.carry_after:
-            self.carry = SimJob("train", self.p, job.budget_tokens)
+            self.carry = SimJob("train", self.p, max(1, round(job.budget_tokens * self.carry_rounds)))
 
     def carried_tokens(self) -> int:
         return self.carry.tokens if self.carry is not None else 0

@@ -35,7 +35,7 @@ from collm.common.slo import meets_slo
 from collm.common.traces import TraceRequest
 from collm.edge_client.config import TrainingConfig
 from collm.edge_client.engine.co_schedule import make_policy
-from collm.lab.bench import mode_roles
+from collm.lab.bench import edge_policy, mode_roles
 from collm.router import fleet
 from collm.router.policy import Assumptions, RequestView, unattainable
 from collm.server.balancer import BALANCERS, BalancerParams
@@ -103,11 +103,11 @@ class World:
         ss = np.random.SeedSequence([seed, n, sum(map(ord, mode))])
         edge_seeds = ss.spawn(n + 1)
         self.rng = random.Random(int(edge_seeds[-1].generate_state(1)[0]))  # the router's p2c sampler
-        tc = TrainingConfig(co_schedule="naive" if mode == "colocated-naive" else "work_conserving",
-                            busy_share=cfg.busy_share if mode == "collm" else 0.0)
+        tc = TrainingConfig(co_schedule=edge_policy(mode, cfg.co_schedule),
+                            busy_share=cfg.busy_share if mode == "collm" else 0.0, feedback=cfg.feedback)
         self.edges = [SimEdge(i, f"{role.replace('+', '-')}{i}", p, role, make_policy(tc), self,
                               int(edge_seeds[i].generate_state(1)[0]), cfg.ttft_ms / 1000, cfg.tpot_ms / 1000,
-                              cfg.slo_safety) for i, (p, role) in enumerate(zip(profiles, self.roles))]
+                              cfg.slo_safety, tc.carry_budget_rounds) for i, (p, role) in enumerate(zip(profiles, self.roles))]
         self.serving = [e for e in self.edges if e.serves]
         self.trainers = [e for e in self.edges if e.trains]
         self.policy = cfg.collm_routing if mode == "collm" else "round_robin"
@@ -217,16 +217,16 @@ class World:
         self.outstanding[k] += 1
         self.last_sent[k] = now
 
-    def finished(self, r: SimRequest, edge: SimEdge, now: float, status: str) -> None:
+    def finished(self, r: SimRequest, edge: SimEdge, now: float, status: str, ttft: float | None,
+                 tpot: float | None) -> None:
+        """`ttft`, `tpot`: as the edge measured them (the client's TTFT adds the network's round trip)."""
         k = self._row.get(edge.name)
         if k is not None:
             self.outstanding[k] -= 1
         if status != "length":
             self._record(r, edge.index, status, None, None)
             return
-        n = len(r.out_ids)
-        ttft = r.first_token_at - r.arrival + self.cfg.network.rtt_s
-        tpot = (now - r.first_token_at) / (n - 1) if n > 1 else 0.0
+        ttft += self.cfg.network.rtt_s
         edge.finished += 1
         ok = meets_slo(True, ttft, tpot, r.ttft_slo, r.tpot_slo)
         edge.met += ok
@@ -371,6 +371,7 @@ class World:
             self.losses.append((now, version, loss))
 
     def _trained(self, edge: SimEdge, job: SimJob, now: float) -> None:
+        edge.budget_fill = min(1.0, job.tokens / max(job.budget_tokens, 1))  # its next load report says it
         if edge.index in self._pending:
             self._pending.discard(edge.index)
             self.round.tokens += job.tokens
@@ -396,4 +397,4 @@ class World:
             att = None if math.isnan(w["attainment"][i]) else float(w["attainment"][i])
         return LoadReport(e.name, rate, att, spare, float(len(e.waiting)), float(len(e.running)),
                           self.cfg.train_examples, self._last_gain, e.p.idle_train_tokens_per_s,
-                          carried_tokens=e.carried_tokens())
+                          carried_tokens=e.carried_tokens(), train_share=e.policy.share, budget_fill=e.budget_fill)

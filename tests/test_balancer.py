@@ -175,6 +175,33 @@ def test_tokens_carried_between_rounds_count_toward_an_edges_cap():
     assert not without["busy"].take_part
 
 
+def test_an_edge_that_could_not_train_its_last_budget_gets_its_cap_but_none_of_the_leftover():
+    """The load report says how much of its last budget an edge trained by the deadline; the budget the
+    caps leave goes to the edges that kept up (an edge that fell short would only carry more of it)."""
+    from dataclasses import replace
+
+    fp = replace(P, fill_budget=True)
+    short = LoadReport(**{**edge("short", spare=0.5).__dict__, "budget_fill": 0.6})
+    kept = LoadReport(**{**edge("kept", spare=0.5).__dict__, "budget_fill": 1.0})
+    d = by_name(balance([short, kept], fp))
+    assert d["short"].budget_tokens == pytest.approx(d["short"].cap_tokens, abs=1)
+    assert d["kept"].budget_tokens == pytest.approx(P.round_token_budget - d["short"].budget_tokens, abs=1)
+    assert "trained 60% of its last budget" in d["short"].reason
+    unknown = by_name(balance([edge("a", spare=0.5), edge("b", spare=0.5)], fp))  # no history: both share it
+    assert unknown["a"].budget_tokens == unknown["b"].budget_tokens
+    both_short = by_name(balance([short, LoadReport(**{**short.__dict__, "name": "short2"})], fp))
+    assert sum(x.budget_tokens for x in both_short.values()) == pytest.approx(2 * d["short"].cap_tokens, abs=2)
+
+
+def test_the_load_report_carries_share_and_budget_fill_over_the_wire():
+    r = LoadReport(**{**edge("e").__dict__, "train_share": 0.35, "budget_fill": 0.8})
+    back = LoadReport.from_record("e", r.to_record())
+    assert back.train_share == pytest.approx(0.35) and back.budget_fill == pytest.approx(0.8)
+    assert LoadReport.from_record("e", edge("e").to_record()).budget_fill is None  # unknown stays unknown
+    hostile = LoadReport.from_record("e", {**r.to_record(), "train-share": 1e30, "budget-fill": float("nan")})
+    assert hostile.train_share == 1.0 and hostile.budget_fill is None
+
+
 # ------------------------------------------------------------------------------ partial participation
 def test_participants_wanted_counts_as_flower_does_with_a_floor():
     from collm.server.balancer import participants_wanted

@@ -7,8 +7,11 @@ import pytest
 import torch
 from helpers import prompt, tiny_engine
 
-from collm.edge_client.engine.co_schedule import (BusyWindow, Naive, RequestSlack, ServingLoad, WorkConserving,
-                                                  allowance, make_policy)
+from collm.common.errors import UserError
+from collm.edge_client.config import FeedbackConfig
+from collm.edge_client.engine.co_schedule import (BusyWindow, Naive, RequestOutcome, RequestSlack, ServingLoad,
+                                                  SlackController, SlackFeedback, WorkConserving, allowance,
+                                                  make_policy)
 from collm.edge_client.engine.cost_model import FixedCosts
 from collm.edge_client.engine.requests import FinishEvent, TokenEvent
 from collm.edge_client.model.lora import TrainingBinding, bind
@@ -111,6 +114,142 @@ def test_slack_guard_formula():
     assert a.binding == "ttft" and a.seconds == pytest.approx(min(1.6 - 1.0 - 2 * 0.05, 1.6 - 0.5 - 3 * 0.05))
 
 
+# ------------------------------------------------------------------ the controller, pure (fake clock)
+def served(tpot, ttft=0.5):
+    """A finished request with these latencies against targets of 3 s TTFT and 0.4 s TPOT."""
+    return RequestOutcome(ttft, tpot, 3.0, 0.4)
+
+
+def decode_load(now, requests=()):
+    return ServingLoad(now, max(1, len(requests)), 0, 0, 0.1, tuple(requests), 256, 0.8)
+
+
+def feed(c, t0, n, tpot, bucket_binds=True):
+    """n periods from t0: one finished request and (if asked) a bucket refusal per second; returns the end."""
+    for i in range(n):
+        t = t0 + i
+        c.observe(t, served(tpot(c.f) if callable(tpot) else tpot))
+        if bucket_binds:
+            c.note_refusal("bucket")
+        c.update(decode_load(t + 0.5))
+    return t0 + n
+
+
+def test_controller_grows_while_slack_is_high_and_the_bucket_binds_and_stops_at_f_max():
+    c = SlackController(FeedbackConfig(f_max=0.5))
+    feed(c, 0.0, 100, tpot=0.1)  # slack 0.75: grow, 0.03 per period, up to f_max
+    assert c.f == pytest.approx(0.5) and c.action == "up" and c.slack == pytest.approx(0.75)
+
+
+def test_controller_does_not_grow_when_something_other_than_the_bucket_refuses():
+    c = SlackController(FeedbackConfig())
+    t = feed(c, 0.0, 30, tpot=0.1, bucket_binds=False)  # slack, but the guards (or nothing) refuse: no wind-up
+    assert c.f == 0.0
+    for i in range(30):  # per-step cap refusals outnumber the bucket's
+        c.observe(t + i, served(0.1))
+        c.note_refusal("bucket")
+        c.note_refusal("per-step-cap")
+        c.note_refusal("slack")
+        c.update(decode_load(t + i + 0.5))
+    assert c.f == 0.0 and c.action == "hold"
+
+
+def test_controller_holds_in_the_dead_band_and_steps_down_below_it():
+    c = SlackController(FeedbackConfig(window_requests=5, min_requests=3))  # the p90 of 5 is their slowest
+    c.f = 0.4
+    t = feed(c, 0.0, 20, tpot=0.3)  # TPOT 0.3 s: slack 0.25, inside [0.2, 0.3]
+    assert c.f == pytest.approx(0.4) and c.action == "hold"
+    feed(c, t, 5, tpot=0.34)  # slack 0.15 < 0.2: down by 0.03 a period
+    assert c.f == pytest.approx(0.4 - 5 * 0.03) and c.action == "down"
+
+
+def test_a_miss_at_the_percentile_halves_the_share_and_holds_growth():
+    c = SlackController(FeedbackConfig())
+    c.f = 0.6
+    t = feed(c, 0.0, 10, tpot=0.1)
+    f0 = c.f
+    t = feed(c, t, 3, tpot=0.6)  # 3 over the target: from the second one on the p90 misses: halved each period
+    assert c.action == "cut-miss" and c.f <= (f0 + 0.03) / 4 + 1e-9  # (one more step up before the p90 saw it)
+    f1 = c.f
+    feed(c, t, 9, tpot=0.1)  # fast again: the misses still set the p90 until they leave the 20, and growth
+    assert c.f <= f1 + 1e-9  # waits out the cool-down
+
+
+def test_a_long_wait_or_a_shed_request_cuts_at_once():
+    c = SlackController(FeedbackConfig())
+    c.f = 0.4
+    feed(c, 0.0, 10, tpot=0.1)
+    f0 = c.f
+    waiting = RequestSlack(arrival=9.0, first_token_at=None, tokens_out=0, ttft_slo=3.0, tpot_slo=0.4,
+                           prefill_left=50)
+    c.update(decode_load(11.0, [waiting]))  # waited 2 s > 0.25 x 3 s
+    assert c.action == "cut-wait" and c.f == pytest.approx(f0 / 2)
+    c.observe(11.5, RequestOutcome(None, None, 3.0, 0.4, shed=True))
+    c.update(decode_load(12.5))
+    assert c.action == "cut-shed" and c.f == pytest.approx(f0 / 4)
+
+
+def test_stale_measurements_fall_back_to_the_idle_rule_not_to_training_flat_out():
+    c = SlackController(FeedbackConfig(window_s=10.0, stale_s=30.0))
+    c.f = 0.5
+    t = feed(c, 0.0, 10, tpot=0.1)
+    for i in range(25):  # no traffic: no evidence; the share holds for stale_s ...
+        c.update(decode_load(t + i))
+    assert c.f > 0 and c.action == "no-evidence"
+    for i in range(25, 100):  # ... then falls to 0 (idle time only)
+        c.update(decode_load(t + i))
+    assert c.f == 0.0 and c.action == "stale" and c.slack is None
+
+
+def test_in_flight_requests_count_by_their_latency_so_far():
+    c = SlackController(FeedbackConfig(min_requests=2))
+    c.f = 0.3
+    feed(c, 0.0, 5, tpot=0.1)
+    slow = RequestSlack(arrival=0.0, first_token_at=1.0, tokens_out=2, ttft_slo=3.0, tpot_slo=0.4, prefill_left=0)
+    c.update(decode_load(6.0, [slow] * 10))  # 10 in flight at 2.5 s per token: the p90 misses before they finish
+    assert c.action == "cut-miss"
+
+
+def test_the_loop_settles_inside_the_dead_band_on_a_plant_and_never_misses():
+    """TPOT = 0.1 s x (1 + 4 f) (a decode step stretched by the training beside it): the band [0.2, 0.3] of
+    slack against 0.4 s is f in [0.45, 0.55]; AIMD gets there from 0 and stays, every request within target."""
+    c = SlackController(FeedbackConfig())
+    plant = lambda f: 0.1 * (1 + 4 * f)  # noqa: E731
+    seen = []
+    t = 0.0
+    for i in range(300):
+        tp = plant(c.f)
+        seen.append(tp)
+        c.observe(t, served(tp))
+        c.note_refusal("bucket")
+        c.update(decode_load(t + 0.5))
+        t += 1
+    assert 0.4 <= c.f <= 0.6
+    assert max(seen) <= 0.4
+    tail = [plant(f) for f in [c.f]]
+    assert 0.2 <= 1 - tail[0] / 0.4 <= 0.35
+
+
+def test_slo_feedback_policy_trains_beside_decodes_only_as_far_as_its_share():
+    p = SlackFeedback(FeedbackConfig(period_s=1.0, min_requests=1, cool_s=0))
+    for i in range(20):  # fast requests and a bucket that refuses: f grows
+        p.observe_request(float(i), served(0.05))
+        p.verdict(decode_load(i + 0.5, [decoding(i + 0.5)]), unit_s=5.0)
+    assert p.share > 0.3
+    assert p.verdict(decode_load(20.5, [decoding(20.5)]), unit_s=0.01).reason == "busy-share"
+    assert p.verdict(load(now=21.0, running=1, waiting=1), 0.001).reason == "serving-first"
+
+
+def test_a_controller_setting_out_of_range_is_a_one_line_error_naming_it():
+    from helpers import tiny_config
+
+    with pytest.raises(UserError, match="slack_low"):
+        tiny_config(training={"feedback": {"slack_low": 0.4, "slack_high": 0.3}})
+    with pytest.raises(UserError, match="f_max"):
+        tiny_config(training={"feedback": {"f_max": 1.5}})
+    assert isinstance(make_policy(tiny_config().training), SlackFeedback)  # the default
+
+
 # ------------------------------------------------------------------ units of a micro-batch
 def test_layerwise_gradients_equal_one_monolithic_backward():
     eng = tiny_engine(start=False)
@@ -208,7 +347,7 @@ def test_naive_mode_trains_whole_micro_batches_during_serving():
 
 def test_busy_share_trains_between_decodes_within_its_budget():
     eng = tiny_engine(costs=FixedCosts(step_s=0.001, unit_s=0.001), engine={"warmup": False},
-                      training={"busy_share": 1.0, "busy_margin": 0.0})
+                      training={"co_schedule": "work_conserving", "busy_share": 1.0, "busy_margin": 0.0})
     try:
         job = eng.train(TrainBudget(steps=10_000, deadline_s=60))
         seen = {}

@@ -2,9 +2,10 @@
 
 Background work comes in units: one decoder layer of one micro-batch, forward or backward, or one
 chunk of its loss (`training.layerwise`). Units resume where the last one stopped and are never
-thrown away, and each takes tens of milliseconds where a whole micro-batch takes seconds. The
-engine asks the rule once per loop, after its serving step, whether the next unit (predicted to
-take tau seconds) may run now:
+thrown away, and each takes tens of milliseconds where a whole micro-batch takes seconds. After
+each serving step the engine asks the rule whether the next unit (predicted to take tau seconds)
+may run now, and asks again after each unit it admits beside decodes, so the gap before the next
+step holds as many units as the rule allows (in idle time it asks once per loop, between arrivals):
 
 1. **Idle** (no request running or waiting): yes. An arriving request waits for at most the unit
    in flight; an idle replica trains back to back.
@@ -13,21 +14,37 @@ take tau seconds) may run now:
    running request needs. A request's TTFT is what bursts break, and a queue is where it is lost.
 3. **Only decodes running**: the unit runs only if all three hold
        tau <= bucket                         busy-period budget: `bucket` accrues
-                                             max(0, u - rho - margin) seconds per second, up to
-                                             `bucket_max_s`, where rho is the measured serving busy
-                                             fraction over the last `window_s` (rho = 1 while a
-                                             request waits) and u = `training.busy_share`
-       tau <= gamma * s * P_min - t_step     per-step cap: every running request's next token still
-                                             comes within gamma * s of its TPOT target P
+                                             f seconds per second (the policy's fill rate), up to
+                                             `bucket_max_s`
+       tau <= gamma * s * P_min - t_step - e per-step cap: every running request's next token still
+                                             comes within gamma * s of its TPOT target P (e: the
+                                             time since the last serving step ended)
        tau <= allowance(...)                 the slack guard below: no request's TTFT or TPOT so far
                                              goes past s times its target
-   With u = 0 (the default) training never runs while a request is being served, only in idle time.
+   The policies below differ only in how fast the bucket fills.
 
 The slack guard, `allowance`: the minimum over every decoding request i (first token at f_i, g_i
 tokens so far, TPOT target P_i) of  s * P_i * g_i - (now - f_i) - t_step, and over every request
 j still before its first token (arrived a_j, TTFT target T_j) of
 s * T_j - (now - a_j) - ceil(prefill queued up to j / B) * t_step. `s` is slo.safety, B the step
 token budget, `t_step` the cost model's next step.
+
+Where the bucket's fill rate comes from is the policy's choice:
+
+* `slo_feedback` (CoLLM's default): a feedback controller over *measured* latencies
+  (`SlackController`) sets f, the training seconds per wall-clock second the bucket accrues. Every
+  `period_s` it takes the `quantile` of the TTFT and TPOT of the last finished requests (and of the
+  requests in flight, counted by their latencies so far), each as a fraction of its own target:
+  slack s = 1 - the larger of the two. AIMD with a dead band (PARTIES' and Heracles' shape): a
+  miss (s < 0), a request that waited longer than `queue_cut` of its TTFT target, or a request
+  shed as late halves f, empties the bucket and holds growth for `cool_s`; s below `slack_low`
+  steps f down by `step`; s above `slack_high` steps it up, but only while the bucket is what
+  refuses units (no wind-up while the guards or serving bind). With fewer than `min_requests`
+  fresh requests there is no evidence: f holds, and after `stale_s` decays to 0, the idle rule.
+  The per-step cap's gamma is 1 here: no single token may come later than s * P; the controller
+  decides how much of the slack below that training takes on average.
+* `work_conserving` (a fixed share): f = max(0, u - rho - margin), u = `training.busy_share`;
+  with u = 0 training runs only in idle time.
 
 The baseline `naive` (colocated-naive in collm-bench) ignores all of this: after every serving
 step it runs one whole micro-batch (every unit of it), as a deployment without SLO control would.
@@ -39,6 +56,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+
+from collm.common.stats import percentile
+from collm.edge_client.config import FeedbackConfig
+
+SHED_RATIO = 2.0  # a request shed as late counts as a TTFT of twice its target (a miss)
 
 
 @dataclass(frozen=True)
@@ -90,6 +112,7 @@ class ServingLoad:
     requests: tuple[RequestSlack, ...] = ()
     step_token_budget: int = 256
     safety: float = 0.8
+    since_step: float = 0.0  # seconds since the last serving step ended (units already run in this gap)
 
     @property
     def idle(self) -> bool:
@@ -135,15 +158,36 @@ class CoSchedule:
     def observe_step(self, end: float, seconds: float) -> None:
         """A serving step of `seconds` ended at `end` (perf_counter time)."""
 
+    def observe_request(self, end: float, outcome: RequestOutcome) -> None:
+        """A request ended at `end` (completed, or shed as late)."""
+
     def verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
         raise NotImplementedError
 
     def spent(self, seconds: float) -> None:
         """A unit the verdict admitted took `seconds`."""
 
+    @property
+    def share(self) -> float:
+        """The training seconds per second the rule grants beside serving now (telemetry, load report)."""
+        return 0.0
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """What the controller learns from a request that ended: its latencies against its own targets.
+    `shed`: refused as late before its first token (a TTFT miss that never ran)."""
+
+    ttft_s: float | None
+    tpot_s: float | None
+    ttft_slo: float
+    tpot_slo: float
+    shed: bool = False
+
 
 class WorkConserving(CoSchedule):
-    """CoLLM's rule (the module docstring): idle time always, busy time only within the bucket and caps."""
+    """CoLLM's rule (the module docstring): idle time always, busy time only within the bucket and caps.
+    The bucket fills at max(0, busy_share - rho - margin): a fixed, hand-set share."""
 
     name = "work_conserving"
 
@@ -158,13 +202,24 @@ class WorkConserving(CoSchedule):
     def observe_step(self, end: float, seconds: float) -> None:
         self.window.record(end, seconds)
 
-    def _accrue(self, load: ServingLoad) -> float:
+    def fill_rate(self, load: ServingLoad) -> float:
+        """Seconds of busy-time training the bucket gains per second now."""
         rho = 1.0 if load.waiting else self.window.rho(load.now)
+        return max(0.0, self.busy_share - rho - self.margin)
+
+    def busy_time_off(self) -> bool:
+        return self.busy_share <= 0
+
+    @property
+    def share(self) -> float:
+        return self.busy_share
+
+    def _accrue(self, load: ServingLoad) -> None:
+        rate = self.fill_rate(load)
         if self._accrued_at is not None:
             dt = max(0.0, load.now - self._accrued_at)
-            self.bucket = min(self.bucket_max_s, self.bucket + dt * max(0.0, self.busy_share - rho - self.margin))
+            self.bucket = min(self.bucket_max_s, self.bucket + dt * rate)
         self._accrued_at = load.now
-        return rho
 
     def verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
         self._accrue(load)
@@ -172,12 +227,16 @@ class WorkConserving(CoSchedule):
             return Verdict(True, "idle")
         if load.waiting or load.prefill_left:
             return Verdict(False, "serving-first")
-        if self.busy_share <= 0:
+        return self._busy_verdict(load, unit_s)
+
+    def _busy_verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
+        """Only decodes run: rule 3."""
+        if self.busy_time_off():
             return Verdict(False, "busy-share-off")
         if unit_s > self.bucket:
             return Verdict(False, "bucket")
         p_min = min((r.tpot_slo for r in load.requests), default=math.inf)
-        if unit_s > self.gamma * load.safety * p_min - load.step_s:
+        if unit_s > self.gamma * load.safety * p_min - load.step_s - load.since_step:
             return Verdict(False, "per-step-cap")
         guard = allowance(load.now, list(load.requests), step_s=load.step_s,
                           step_token_budget=load.step_token_budget, safety=load.safety)
@@ -190,6 +249,127 @@ class WorkConserving(CoSchedule):
             self.bucket = max(0.0, self.bucket - seconds)
 
 
+class SlackController:
+    """f, training's share of busy time, from measured latency slack: AIMD with a dead band.
+
+    Pure and clock-free: the engine and the simulator feed it the same things (finished requests
+    through `observe`, the replica's `ServingLoad` through `update`) and read `f`."""
+
+    def __init__(self, params: FeedbackConfig | None = None):
+        self.p = params or FeedbackConfig()
+        self.f = 0.0
+        self.slack: float | None = None  # the last measured slack (None: no evidence)
+        self.action = "start"            # what the last period did: up | down | hold | cut | stale | ...
+        self._ended: deque[tuple[float, float, float]] = deque(maxlen=self.p.window_requests)
+        self._tick_at: float | None = None
+        self._hold_until = -math.inf
+        self._fresh_at: float | None = None
+        self._cut_pending = False
+        self._refused = self._bucket_refused = 0
+
+    def observe(self, end: float, o: RequestOutcome) -> None:
+        if o.shed:
+            self._ended.append((end, SHED_RATIO, 0.0))
+            self._cut_pending = True  # a request shed as late: serving is short of time now
+            return
+        if o.ttft_s is None:
+            return  # cancelled or failed: says nothing about latency
+        self._ended.append((end, o.ttft_s / o.ttft_slo, (o.tpot_s or 0.0) / o.tpot_slo))
+
+    def note_refusal(self, reason: str) -> None:
+        """A unit refused while only decodes ran, and which constraint refused it."""
+        self._refused += 1
+        self._bucket_refused += reason == "bucket"
+
+    def ratios(self, load: ServingLoad) -> list[tuple[float, float]]:
+        """(TTFT / target, TPOT / target) of the fresh finished requests and the ones in flight (their
+        latencies so far: a request still before its first token by its wait, a decoding one by the
+        time since its first token per token out)."""
+        now = load.now
+        out = [(a, b) for t, a, b in self._ended if now - t <= self.p.window_s]
+        for r in load.requests:
+            if r.first_token_at is None:
+                out.append(((now - r.arrival) / r.ttft_slo, 0.0))
+            else:
+                out.append(((r.first_token_at - r.arrival) / r.ttft_slo,
+                            (now - r.first_token_at) / max(r.tokens_out, 1) / r.tpot_slo))
+        return out
+
+    def update(self, load: ServingLoad) -> bool:
+        """Adjust f if a period has passed; True if it was cut (the caller empties its bucket)."""
+        p, now = self.p, load.now
+        if self._tick_at is None:
+            self._tick_at = self._fresh_at = now
+            return False
+        if now - self._tick_at < p.period_s:
+            return False
+        self._tick_at = now
+        binds = self._refused > 0 and self._bucket_refused * 2 > self._refused
+        self._refused = self._bucket_refused = 0
+        fresh = sum(1 for t, _, _ in self._ended if now - t <= p.window_s)
+        waited = any(r.first_token_at is None and now - r.arrival > p.queue_cut * r.ttft_slo for r in load.requests)
+        if self._cut_pending or waited:
+            self._cut_pending = False
+            return self._cut(now, "cut-shed" if not waited else "cut-wait")
+        if fresh < p.min_requests:
+            self.slack = None
+            if now - self._fresh_at > p.stale_s:
+                self.f, self.action = 0.0, "stale"
+            else:
+                self.action = "no-evidence"
+            return False
+        self._fresh_at = now
+        ratios = self.ratios(load)
+        worst = max(percentile([a for a, _ in ratios], p.quantile), percentile([b for _, b in ratios], p.quantile))
+        self.slack = s = 1.0 - worst
+        if s < 0:
+            return self._cut(now, "cut-miss")
+        if s < p.slack_low:
+            self.f, self.action = max(0.0, self.f - p.step), "down"
+        elif s > p.slack_high and now >= self._hold_until and binds:
+            self.f, self.action = min(p.f_max, self.f + p.step), "up"
+        else:
+            self.action = "hold"
+        return False
+
+    def _cut(self, now: float, why: str) -> bool:
+        self.f *= self.p.backoff
+        self._hold_until = now + self.p.cool_s
+        self.action = why
+        return True
+
+
+class SlackFeedback(WorkConserving):
+    """CoLLM's default: the bucket fills at f, set by `SlackController` from measured latencies."""
+
+    name = "slo_feedback"
+
+    def __init__(self, params: FeedbackConfig | None = None, gamma: float = 1.0, bucket_max_s: float = 1.0):
+        super().__init__(busy_share=0.0, margin=0.0, gamma=gamma, bucket_max_s=bucket_max_s)
+        self.controller = SlackController(params)
+
+    def observe_request(self, end: float, outcome: RequestOutcome) -> None:
+        self.controller.observe(end, outcome)
+
+    def fill_rate(self, load: ServingLoad) -> float:
+        if self.controller.update(load):
+            self.bucket = 0.0
+        return self.controller.f
+
+    def busy_time_off(self) -> bool:
+        return False
+
+    @property
+    def share(self) -> float:
+        return self.controller.f
+
+    def _busy_verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
+        v = super()._busy_verdict(load, unit_s)
+        if not v.run:
+            self.controller.note_refusal(v.reason)
+        return v
+
+
 class Naive(CoSchedule):
     """The colocated-naive baseline: one whole micro-batch after every step, no SLO control."""
 
@@ -200,12 +380,15 @@ class Naive(CoSchedule):
         return Verdict(True, "naive")
 
 
-POLICIES: dict[str, type[CoSchedule]] = {"work_conserving": WorkConserving, "naive": Naive}
+POLICIES: dict[str, type[CoSchedule]] = {p.name: p for p in (SlackFeedback, WorkConserving, Naive)}
 
 
 def make_policy(training_cfg) -> CoSchedule:
     """The policy `training.co_schedule` names, with the rule's knobs from the same section."""
-    if training_cfg.co_schedule == "naive":
+    kind = POLICIES[training_cfg.co_schedule]
+    if kind is Naive:
         return Naive()
+    if kind is SlackFeedback:
+        return SlackFeedback(training_cfg.feedback)
     return WorkConserving(busy_share=training_cfg.busy_share, margin=training_cfg.busy_margin,
                           window_s=training_cfg.busy_window_s)

@@ -33,6 +33,7 @@ from collm.common.slo import SLO
 from collm.edge_client.config import EdgeConfig
 from collm.edge_client.engine.co_schedule import RequestSlack, ServingLoad, make_policy
 from collm.edge_client.engine.cost_model import CostModels, step_features
+from collm.edge_client.engine.replica import latencies, outcome
 from collm.edge_client.engine.planner import next_step_shape, plan_step, prefill_time, step_shape, too_late
 from collm.edge_client.engine.requests import (AdmittedEvent, EngineError, EngineFailed, FinishEvent, PromptTooLong,
                                                QueueFull, Request, ShuttingDown, TokenEvent)
@@ -115,6 +116,8 @@ class Engine:
         self._jobs: deque[BackgroundJob] = deque()
         self._job: BackgroundJob | None = None
         self._carry: TrainJob | None = None  # training between rounds (`LocalTrainer.carry`), lowest priority
+        self._share_seen = 0.0  # the rule's share beside serving, as the timeline last recorded it
+        self._step_end = 0.0  # when the last serving step ended (perf_counter): the per-step cap counts from it
         self._ending_jobs = False  # set at shutdown: end background jobs at the next unit boundary
         self._accepting = True
         self._stop = False
@@ -255,7 +258,7 @@ class Engine:
             train_examples=len(t.stream.examples) if t else 0, train_steps_total=t.total_steps if t else 0,
             last_train_loss=t.last_loss if t else None,
             idle_train_tokens_per_s=self.idle_train_tokens_per_s() if t else 0.0,
-            step_coef=tuple(float(c) for c in self.costs.step.coef),
+            step_coef=tuple(float(c) for c in self.costs.step.coef), train_share=self.policy.share,
             predicted_decode_step_s=self.costs.step_time(max(1, load["running"]), 0, load["running_kv_tokens"]),
             failure=self.failure)
 
@@ -413,6 +416,7 @@ class Engine:
         self.costs.step.observe(step_features(shape.decode, shape.prefill, shape.attended), now - t0)
         self.telemetry.record_step(now - t0, len(segments))
         self.policy.observe_step(now, now - t0)
+        self._step_end = now
         for s in segments:
             if s.slot in prefilling:
                 by_slot[s.slot].prefilled += len(s.tokens)
@@ -452,13 +456,14 @@ class Engine:
         if r.adapter is not None:
             self.shadow.release(r.adapter)
         n = len(r.out_ids)
-        ttft = None if r.first_token_at is None else r.first_token_at - r.arrival
-        tpot = (now - r.first_token_at) / (n - 1) if r.first_token_at is not None and n > 1 else (0.0 if n else None)
+        ttft, tpot = latencies(r.arrival, r.first_token_at, n, now)
         rec = RequestRecord(
             id=r.id, adapter_version=-1 if r.adapter is None else r.adapter.version,
             prompt_tokens=len(r.prompt_ids), output_tokens=n, ttft_s=ttft, tpot_s=tpot, e2e_s=now - r.arrival,
             ttft_slo_s=r.slo.ttft_s, tpot_slo_s=r.slo.tpot_s, finish_reason=reason, finished_at=time.time())
         self.telemetry.record_request(rec)
+        if (seen := outcome(reason, ttft, tpot, r.slo.ttft_s, r.slo.tpot_s)) is not None:
+            self.policy.observe_request(now, seen)
         text = r.stream.text if r.stream is not None else ""
         self._emit(r, FinishEvent(reason, rec, text, list(r.out_ids)))
 
@@ -491,11 +496,13 @@ class Engine:
         reqs = tuple(RequestSlack(r.arrival, r.first_token_at, len(r.out_ids), r.slo.ttft_s, r.slo.tpot_s,
                                   r.prefill_left) for r in self._running + waiting)
         return ServingLoad(now, len(self._running), len(waiting), sum(r.prefill_left for r in self._running),
-                           step_s, reqs, self.cfg.engine.step_token_budget, self.cfg.slo.safety)
+                           step_s, reqs, self.cfg.engine.step_token_budget, self.cfg.slo.safety,
+                           max(0.0, now - self._step_end))
 
     def _run_background(self) -> bool:
-        """Run the next unit of the current job if the rule admits it (the naive policy: a whole
-        micro-batch). True if anything ran."""
+        """Run background work the rule admits: in idle time one unit (the loop then looks for arrivals);
+        beside decodes, unit after unit while the rule admits each (the gap before the next serving step);
+        the naive policy a whole micro-batch. True if anything ran."""
         with self._lock:
             if self._job is not None and self._job is self._carry and self._jobs:
                 self._job = None  # the carry yields to queued work; its micro-batch in flight waits, intact
@@ -516,15 +523,19 @@ class Engine:
             self._end_job(job, deadline_hit=not job.done())
             return False
         try:
-            unit = job.next_unit()
-            load = self._serving_load(now)
-            verdict = self.policy.verdict(load, self.costs.unit_time(job.kind, unit.kind, unit.tokens))
-            if not verdict.run:
-                job.report.deferrals += 1
-                self.telemetry.record_deferral()
-                return False
+            ran = False
+            verdict = None
             while True:
                 unit = job.next_unit()
+                if verdict is None or verdict.reason == "busy-share":  # beside decodes: ask before every unit
+                    load = self._serving_load(time.perf_counter())
+                    verdict = self.policy.verdict(load, self.costs.unit_time(job.kind, unit.kind, unit.tokens))
+                    self._note_share()
+                    if not verdict.run:
+                        if not ran:
+                            job.report.deferrals += 1
+                            self.telemetry.record_deferral()
+                        return ran
                 t0 = time.perf_counter()
                 completed_tokens = job.run_unit()
                 if self.device.type == "cuda":
@@ -543,16 +554,30 @@ class Engine:
                     (self.costs.train if job.kind == "train" else self.costs.eval).observe([completed_tokens],
                                                                                          job.pass_s)
                     job.pass_s = 0.0
+                ran = True
                 if job.done():
                     self._end_job(job)
                     return True
+                if verdict.reason == "busy-share":
+                    if job.past_deadline(time.perf_counter()) or self._ending_jobs:
+                        return True  # the next call ends it
+                    continue  # the gap before the next serving step may hold more (the verdict decides)
                 if not self.policy.whole_passes or job.at_pass_boundary():
-                    return True
+                    return True  # idle: one unit per loop, so an arrival waits at most for it
         except Exception as e:  # noqa: BLE001 - a failed job must not take serving down
             log.exception("%s job failed", job.kind)
             job.fail(e)
             self._job = None
             return False
+
+    def _note_share(self) -> None:
+        """The timeline records each change of the share the co-execution rule grants beside serving."""
+        share = self.policy.share
+        if self.timeline is not None and share != self._share_seen:
+            ctl = getattr(self.policy, "controller", None)
+            self.timeline.record("share", t=time.time(), f=round(share, 4),
+                                 **({"slack": ctl.slack, "act": ctl.action} if ctl is not None else {}))
+        self._share_seen = share
 
     def _end_job(self, job: BackgroundJob, deadline_hit: bool = False) -> JobReport:
         self._job = None

@@ -103,6 +103,7 @@ class EdgeSnapshot:
     # cost model
     step_coef: tuple[float, float, float, float]
     predicted_decode_step_s: float
+    train_share: float = 0.0  # training seconds per second the co-execution rule grants beside serving now
     failure: str | None = None
 
     def as_dict(self) -> dict:

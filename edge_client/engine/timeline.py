@@ -9,6 +9,7 @@ wall-clock times, so a slow request can be laid beside what its replica was doin
      "run": running, "wait": waiting}
     {"ev": "unit", "t": start, "s": seconds, "job": train|eval, "unit": forward|backward|head, "tok": tokens, "why": verdict}
     {"ev": "publish", "t": start, "s": seconds, "version": v, "source": ...}
+    {"ev": "share", "t": when, "f": the co-execution rule's share beside serving, "slack": measured, "act": why}
 
 Off by default. On, it costs a small dict per event and a buffered write about once a second; any
 thread may record (publishes come from the federation client). A write that fails (a full disk)

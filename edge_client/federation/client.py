@@ -53,6 +53,7 @@ class FederatedEdge:
         self._eval_history: dict[int, float] = {}  # global version -> holdout loss on this edge
         self._tokens_by_round: dict[int, int] = {}
         self.refused: dict[int, str] = {}  # global version -> why the canary gate refused it
+        self.budget_fill: float | None = None  # tokens trained / budget in the last round (the load report's)
 
     # ------------------------------------------------------------------ handlers
     def client_app(self) -> ClientApp:
@@ -81,7 +82,8 @@ class FederatedEdge:
             train_examples=snap.train_examples, gain_per_ktok=self.gain_per_ktok(),
             train_tokens_per_s=snap.idle_train_tokens_per_s, goodput=w.goodput,
             adapter_version=snap.adapter_version, refused_version=max(self.refused, default=-1),
-            carried_tokens=self.rt.engine.carried_tokens())
+            carried_tokens=self.rt.engine.carried_tokens(), train_share=snap.train_share,
+            budget_fill=self.budget_fill)
 
     def adopt_global(self, arrays: ArrayRecord, version: int) -> dict | None:
         """Serve the global adapter of round `version` unless this edge already serves it (or newer)
@@ -134,6 +136,7 @@ class FederatedEdge:
             self.rounds_trained += 1
             self.last_round = rnd
             self._tokens_by_round[rnd] = report.tokens
+            self.budget_fill = min(1.0, report.tokens / tokens)
             self.last_train = {"round": rnd, **report.as_dict()}
         log.info("edge %s: round %d: trained %d steps, %d tokens, loss %s, %.1f s%s", self.rt.cfg.name, rnd,
                  report.steps, report.tokens, None if report.loss is None else round(report.loss, 4),

@@ -109,6 +109,8 @@ class _SnapshotCollector:
             M.TRAINING_BUSY: ("Fraction of time spent training (window)", w.training_busy_frac),
             M.TRAINING_BESIDE_SERVING: ("Fraction of time spent training while requests were running or waiting "
                                         "(window): what stretches serving", w.training_beside_serving_frac),
+            M.TRAIN_SHARE: ("Training seconds per second the co-execution rule grants beside serving now (its "
+                            "controller's share)", s.train_share),
             M.TRAIN_TOKENS_PER_S: ("Training tokens per second (window)", w.train_tokens_per_s),
             M.TRAINING_ACTIVE: ("1 while a training job is queued or running", float(s.jobs > 0)),
             M.ADAPTER_VERSION: ("Serving adapter version", s.adapter_version),

@@ -13,8 +13,9 @@ same pass (`LocalTrainer.measure`), so there is no second copy of the step to dr
 Carry between rounds (`training.carry_between_rounds`): a round's update is sent at its deadline,
 and the next round's global comes one evaluation and three message exchanges later (20-30 s on a
 serving replica, as long as the training window). So after a round's job the engine keeps
-training in idle time (`LocalTrainer.carry`), from the update just sent (`base`), up to the last
-round's token budget. The next round's job rebases that work onto the new global,
+training as its co-execution rule allows (`LocalTrainer.carry`), from the update just sent (`base`),
+up to `carry_budget_rounds` times the last round's token budget. The next round's job rebases
+that work onto the new global,
 
     w  <-  w_global + (w_carry - base)
 
@@ -118,8 +119,9 @@ class LocalTrainer:
 
     def carry(self, after: TrainJob) -> TrainJob:
         """Training after `after` (a finished round job) until the next round's job absorbs it: from
-        the update `after` sent, up to `after`'s token budget, with no deadline (see the docstring)."""
-        cap = after.budget.tokens or self.cfg.default_round_tokens
+        the update `after` sent, up to `carry_budget_rounds` times `after`'s token budget, with no
+        deadline (see the docstring)."""
+        cap = max(1, round((after.budget.tokens or self.cfg.default_round_tokens) * self.cfg.carry_budget_rounds))
         job = TrainJob(self, TrainBudget(tokens=cap), None, after.mu, after.lr)
         job.serve_local = after.serve_local
         job.freeze_a = after.freeze_a
