@@ -123,3 +123,22 @@ def trace_segment(requests: list[TraceRequest], rate: float, seconds: float, min
     reqs = [TraceRequest(r.arrival_s + (i // len(requests)) * span, r.prompt_tokens, r.output_tokens)
             for i, r in ((i, requests[i % len(requests)]) for i in range(n))]
     return at_rate(reqs, rate)
+
+
+def bursts(trace: list[TraceRequest], period_s: float, peak: float, duty: float) -> list[TraceRequest]:
+    """The same arrivals with on/off bursts laid over them, mean rate kept: in the first `duty` of every
+    `period_s` requests come `peak` times as fast as the trace has them, in the rest slower by
+    (1 - duty * peak) / (1 - duty). A time warp of the trace's own clock, so its bursts stay inside ours
+    (a synthetic burst schedule, for a burstier workload than the trace's own)."""
+    if not 0 < duty < 1 or peak < 1 or peak * duty >= 1 or period_s <= 0:
+        raise ValueError(f"bursts need 0 < duty < 1, peak >= 1, peak * duty < 1 and period_s > 0 "
+                         f"(got duty {duty:g}, peak {peak:g}, period_s {period_s:g})")
+    slow = (1 - duty * peak) / (1 - duty)
+    on = peak * duty * period_s  # trace seconds that pass during one on-phase
+
+    def wall(a: float) -> float:
+        k, r = divmod(a, period_s)
+        return k * period_s + (r / peak if r < on else duty * period_s + (r - on) / slow)
+
+    t0 = trace[0].arrival_s if trace else 0.0
+    return [TraceRequest(t0 + wall(r.arrival_s - t0), r.prompt_tokens, r.output_tokens) for r in trace]

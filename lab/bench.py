@@ -50,7 +50,8 @@ from collm.common.data import Record, categories, load_records, partition_by_cat
 from collm.common.errors import UserError, cli_entry
 from collm.common.procs import BIN_DIR
 from collm.common.stats import mean_ci, ratio_ci
-from collm.common.traces import TraceRequest, trace_segment
+from collm.common.traces import TraceRequest
+from collm.lab.bench_analysis import add_quality, pool_mode
 from collm.lab.bench_config import BenchConfig
 from collm.lab.loadgen import Outcome, Planned, replay, summarize
 from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
@@ -94,7 +95,7 @@ class Workload:
     def segment(self, rate: float, seconds: float, min_requests: int) -> list[TraceRequest]:
         """The first max(min_requests, rate * seconds) requests at mean rate `rate` (the trace repeats
         if it is shorter)."""
-        return trace_segment(self.requests, rate, seconds, min_requests)
+        return self.cfg.trace.segment(self.requests, rate, seconds, min_requests)
 
     def plan(self, reqs: list[TraceRequest], model_id: str) -> list[Planned]:
         cfg = self.cfg
@@ -501,6 +502,34 @@ def drift_rows(first: list[dict], again: list[dict], resamples: int,
     return rows
 
 
+def run_order(modes: list[str], order: str, drift_check: bool) -> list[str]:
+    """The modes in the order they run, serve-only first (it measures the capacity): once each; with the
+    drift check serve-only again at the end; counterbalanced, every mode twice, A B C D then D C B A."""
+    if order == "counterbalanced":
+        return modes + modes[::-1]
+    return modes + (["serve-only"] if drift_check and len(modes) > 1 else [])
+
+
+def combine_passes(results: dict, cfg: BenchConfig) -> None:
+    """Each mode's passes as its result (`bench_analysis.pool_mode`; one pass: itself), and the drift check:
+    serve-only's last pass against its first (sequential: every other mode read against that last pass too)."""
+    passes = results["passes"]
+    for mode, rs in passes.items():
+        pooled = len(rs) > 1 and (cfg.order == "counterbalanced" or mode != "serve-only")
+        results["modes"][mode] = pool_mode(rs, cfg.bootstrap) if pooled else rs[0]
+    so = passes.get("serve-only", [])
+    if len(so) > 1:
+        others = ({m: r["points"] for m, r in results["modes"].items() if m != "serve-only"}
+                  if cfg.order == "sequential" else None)
+        results["drift"] = drift_rows(so[0]["points"], so[-1]["points"], cfg.bootstrap, others)
+    for mode, rs in passes.items():  # per-request lists live in the modes' points; the passes keep summaries
+        for r in rs:
+            if r is not results["modes"][mode]:
+                for p in r["points"]:
+                    for k in ("outcomes", "slo_met", "qw"):
+                        p.pop(k, None)
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="collm-bench", description="Trace-replay goodput benchmark of CoLLM "
@@ -535,30 +564,27 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.load.fractions} x capacity; writing to {out}", flush=True)
     judge = QualityJudge(cfg)
     base_loss = judge.loss(None)
-    results: dict = {"config": cfg.model_dump(mode="json"), "base_loss": base_loss, "modes": {}}
+    results: dict = {"config": cfg.model_dump(mode="json"), "base_loss": base_loss, "modes": {}, "order": [],
+                     "passes": {}}
     plans = None
-    drift = cfg.drift_check and len(modes) > 1
-    with tqdm(total=(len(modes) + drift) * len(cfg.load.fractions), desc="collm-bench", unit="point",
-              file=sys.stdout, dynamic_ncols=True) as bar:
-        for mode in modes:
-            r = run_mode(cfg, mode, out / mode, work, plans, judge, base_loss, bar)
+    runs = run_order(modes, cfg.order, cfg.drift_check)
+    with tqdm(total=len(runs) * len(cfg.load.fractions), desc="collm-bench", unit="point", file=sys.stdout,
+              dynamic_ncols=True) as bar:
+        for mode in runs:
+            passes = results["passes"].setdefault(mode, [])
+            where = out / (mode if not passes else f"{mode}-pass{len(passes) + 1}")
+            r = run_mode(cfg, mode, where, work, plans, judge, base_loss, bar)
             plans = r.pop("plans")
-            if mode == "serve-only":
-                results["capacity"] = r.pop("capacity")  # and it is every ratio's baseline: always reported
-            results["modes"][mode] = r
-            bar.write(f"  {mode}: max rate at >= {cfg.capacity.target_attainment:.0%} attainment "
-                      f"{r['max_rate']:.3f} req/s, rounds {r['rounds_completed']}, served loss "
+            if "capacity" in r:
+                results["capacity"] = r.pop("capacity")  # serve-only's first pass: every ratio's baseline
+            add_quality(r, base_loss, cfg.bootstrap)
+            passes.append(r)
+            results["order"].append(f"{mode} (pass {len(passes)})")
+            bar.write(f"  {mode} (pass {len(passes)}): max rate at >= {cfg.capacity.target_attainment:.0%} "
+                      f"attainment {r['max_rate']:.3f} req/s, rounds {r['rounds_completed']}, served loss "
                       f"{r['served_loss'][0]['loss']:.4f} -> {r['final_loss']:.4f}")
-            (out / "results.partial.json").write_text(json.dumps(results, indent=1))  # kept if a later mode fails
-        if drift:
-            again = run_mode(cfg, "serve-only", out / "serve-only-again", work, plans, judge, base_loss, bar)
-            others = {m: r["points"] for m, r in results["modes"].items() if m != "serve-only"}
-            results["drift"] = drift_rows(results["modes"]["serve-only"]["points"], again["points"], cfg.bootstrap,
-                                          others)
-            bar.write("  drift (serve-only again / first, goodput): " + ", ".join(
-                f"{d['fraction']:g}x " + ("-" if d["ratio"] is None else
-                                          f"{d['ratio']:.2f} [{d['ci'][0]:.2f}, {d['ci'][1]:.2f}]")
-                for d in results["drift"]))
+            (out / "results.partial.json").write_text(json.dumps(results, indent=1, default=str))
+    combine_passes(results, cfg)
     results["wall_s"] = round(time.time() - t0, 1)
     paths = write_report(results, out)
     print(f"collm-bench: done in {results['wall_s']:.0f} s; report {paths['markdown']}", flush=True)

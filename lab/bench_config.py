@@ -8,9 +8,24 @@ from pydantic import Field, model_validator
 
 from collm.common.config import Strict
 from collm.common.errors import UserError
-from collm.common.traces import TraceRequest, TraceScaling, load_trace
+from collm.common.traces import TraceRequest, TraceScaling, bursts, load_trace, trace_segment
 
 MODES = ("collm", "isolated", "colocated-naive", "serve-only")
+
+
+class BurstConfig(Strict):
+    """On/off bursts over the trace's arrivals (`common.traces.bursts`), mean rate kept."""
+
+    period_s: float = Field(30.0, gt=0, description="one on phase and one off phase (seconds)")
+    peak: float = Field(2.5, ge=1, description="arrivals come this many times as fast in the on phase")
+    duty: float = Field(0.3, gt=0, lt=1, description="the on phase's share of each period")
+
+    @model_validator(mode="after")
+    def _check(self) -> BurstConfig:
+        if self.peak * self.duty >= 1:
+            raise ValueError(f"trace.burst.peak x trace.burst.duty must be below 1 (got {self.peak * self.duty:g}): "
+                             "the off phase would need a negative rate to keep the mean")
+        return self
 
 
 class TraceConfig(Strict):
@@ -22,12 +37,22 @@ class TraceConfig(Strict):
     max_prompt_tokens: int = Field(256, ge=8)
     max_output_tokens: int = Field(32, ge=1)
     min_output_tokens: int = Field(4, ge=1)
+    burst: BurstConfig | None = Field(None, description="lay on/off bursts over the trace (a burstier workload, "
+                                      "same mean rate); none: the trace's own arrivals")
 
     @model_validator(mode="after")
     def _check(self) -> TraceConfig:
         if self.min_output_tokens > self.max_output_tokens:
             raise ValueError("trace.min_output_tokens must not exceed trace.max_output_tokens")
         return self
+
+    def segment(self, requests: list[TraceRequest], rate: float, seconds: float,
+                min_requests: int) -> list[TraceRequest]:
+        """A load point's or probe's arrivals (`common.traces.trace_segment`), with the bursts if set: every
+        probe and point of collm-bench and collm-sim comes from here."""
+        seg = trace_segment(requests, rate, seconds, min_requests)
+        b = self.burst
+        return seg if b is None else bursts(seg, b.period_s, b.peak, b.duty)
 
     def load(self) -> list[TraceRequest]:
         """The trace's requests as these knobs scale them (collm-bench's workload, collm-sim's); a
@@ -110,9 +135,14 @@ class BenchConfig(Strict):
     federation: FederationBudget = FederationBudget()
     eval_records: int = Field(16, ge=1, description="holdout records per served-quality evaluation")
     bootstrap: int = Field(2000, ge=100, description="bootstrap resamples for every confidence interval")
+    order: Literal["sequential", "counterbalanced"] = Field(
+        "sequential", description="sequential: each mode once, serve-only first; counterbalanced: every mode twice, "
+        "A B C D then D C B A (serve-only first and last), pooled, each ratio's interval widened to cover both "
+        "passes' own ratios: a drift in the machine's speed over the run weighs on every mode alike")
     drift_check: bool = Field(False, description="run serve-only again after the other modes, on the same "
                               "arrivals: modes are measured one after another, so this shows how far the machine "
-                              "drifted during the run (a ratio between modes is good only to within it)")
+                              "drifted during the run (a ratio between modes is good only to within it); "
+                              "counterbalanced runs always have it (serve-only's second pass)")
     timeline: bool = Field(False, description="every replica writes its engine timeline (engine.timeline) to "
                            "OUT/<mode>/timeline-<edge>.jsonl: each serving step and training unit with its time, to "
                            "see what a replica did while a request was slow (benchmarks/timeline_report.py)")

@@ -11,7 +11,7 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
-from collm.common.stats import ratio_ci
+from collm.lab.bench_analysis import split_passes, widened_ratio
 
 RATIOS = (("collm", "isolated"), ("collm", "colocated-naive"), ("collm", "serve-only"))
 COLORS = {"collm": "#2b7bba", "isolated": "#d95f02", "colocated-naive": "#7570b3", "serve-only": "#66a61e"}
@@ -26,7 +26,9 @@ def _ci(lo, hi, nd=2) -> str:
 
 
 def point_ratios(results: dict, resamples: int) -> dict[str, list[dict]]:
-    """Goodput and training-throughput ratios of collm to every other mode, per load point."""
+    """Goodput, quality-weighted goodput and training-throughput ratios of collm to every other mode, per
+    load point: paired over the same requests, and over pooled passes widened to each pass's own ratio
+    (`bench_analysis.widened_ratio`)."""
     modes = results["modes"]
     out: dict[str, list[dict]] = {}
     for a, b in RATIOS:
@@ -34,10 +36,20 @@ def point_ratios(results: dict, resamples: int) -> dict[str, list[dict]]:
             continue
         rows = []
         for pa, pb in zip(modes[a]["points"], modes[b]["points"]):
-            r, lo, hi = ratio_ci(pa["slo_met"], pb["slo_met"], resamples=resamples)
+            k = pa.get("passes", 1)
+            sizes = [len(pa["slo_met"]) // k] * k
+
+            def ratio(key: str) -> dict:
+                if key not in pa or key not in pb:
+                    return {"ratio": None, "ci": [None, None], "per_pass": []}
+                return widened_ratio(pa[key], pb[key], list(zip(split_passes(pa[key], sizes),
+                                                                split_passes(pb[key], sizes))), resamples)
+
+            good, quality = ratio("slo_met"), ratio("qw")
             train = (pa["train_tokens_per_s"] / pb["train_tokens_per_s"]) if pb["train_tokens_per_s"] > 0 else None
-            rows.append({"fraction": pa["fraction"], "rate": pa["rate"], "goodput_ratio": r, "ci": [lo, hi],
-                         "train_ratio": train})
+            rows.append({"fraction": pa["fraction"], "rate": pa["rate"], "goodput_ratio": good["ratio"],
+                         "ci": good["ci"], "per_pass": good["per_pass"], "qwg_ratio": quality["ratio"],
+                         "qwg_ci": quality["ci"], "train_ratio": train})
         out[f"{a}/{b}"] = rows
     return out
 
@@ -46,7 +58,7 @@ def write_report(results: dict, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "markdown": out / "report.md", "goodput_png": out / "goodput.png",
              "attainment_png": out / "attainment_vs_load.png", "training_png": out / "training_vs_load.png",
-             "loss_png": out / "served_loss.png"}
+             "loss_png": out / "served_loss.png", "tradeoff_png": out / "training_vs_goodput.png"}
     results["ratios"] = point_ratios(results, results["config"]["bootstrap"])
     paths["json"].write_text(json.dumps(results, indent=1, default=str))
     _plots(results, paths)
@@ -117,14 +129,49 @@ def _plots(results: dict, paths: dict) -> None:
 
     with _figure(paths["loss_png"], "Quality of the served model over time") as ax:
         for m, r in modes.items():
-            pts = r["served_loss"]
-            end = r.get("wall_s") or max(p["t"] for p in pts)
-            xs = [max(p["t"], 0.0) for p in pts] + [end]
-            ys = [p["loss"] for p in pts] + [pts[-1]["loss"]]
-            ax.step(xs, ys, where="post", label=m, color=COLORS.get(m))
-        ax.set_xlabel("seconds after the first load point started")
+            for k, run in enumerate(r.get("passes") or [r]):  # counterbalanced: each pass, the second dashed
+                pts = run["served_loss"]
+                end = run.get("wall_s") or max(p["t"] for p in pts)
+                xs = [max(p["t"], 0.0) for p in pts] + [end]
+                ys = [p["loss"] for p in pts] + [pts[-1]["loss"]]
+                ax.step(xs, ys, where="post", label=m if k == 0 else f"{m} (pass {k + 1})", color=COLORS.get(m),
+                        linestyle="-" if k == 0 else "--")
+        ax.set_xlabel("seconds after the mode's first load point started")
         ax.set_ylabel("served adapter: held-out loss")
-        ax.legend()
+        ax.legend(fontsize=7)
+
+    _tradeoff_plot(results, paths["tradeoff_png"])
+
+
+def _tradeoff_plot(results: dict, path) -> None:
+    """Training tokens/s against goodput, one panel per load point, one marker per mode: a mode up and
+    to the right of another dominates it (serves more on time and adapts more)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = results["modes"]
+    fractions = [p["fraction"] for p in next(iter(modes.values()))["points"]]
+    fig, axes = plt.subplots(1, len(fractions), figsize=(3 * len(fractions), 3.2), squeeze=False)
+    try:
+        for i, (ax, f) in enumerate(zip(axes[0], fractions)):
+            for m, r in modes.items():
+                p = r["points"][i]
+                lo, hi = p["goodput_ci"]
+                ax.errorbar([p["goodput_rps"]], [p["train_tokens_per_s"]], capsize=3, marker="o", color=COLORS.get(m),
+                            label=m, xerr=[[p["goodput_rps"] - lo], [hi - p["goodput_rps"]]])
+            ax.set_title(f"{f:g}× capacity", fontsize=9)
+            ax.set_xlabel("goodput (req/s)", fontsize=8)
+            if i == 0:
+                ax.set_ylabel("training tokens/s", fontsize=8)
+            ax.tick_params(labelsize=7)
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle("Training against goodput per load point (up and right dominates)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def _again(ax, results: dict, x, key: str) -> None:
@@ -133,6 +180,48 @@ def _again(ax, results: dict, x, key: str) -> None:
         pts = results["modes"]["serve-only"]["points"]
         ax.plot([x(p) for p in pts], [d[key] for d in results["drift"]], marker="o", linestyle="--",
                 color=COLORS["serve-only"], alpha=0.6, label="serve-only (again, at the end)")
+
+
+def _passes(per_pass) -> str:
+    """A ratio's own value in each pass (counterbalanced runs), after its pooled interval."""
+    if not per_pass or len(per_pass) < 2:
+        return ""
+    return " (passes " + ", ".join(_fmt(v, 2) for v in per_pass) + ")"
+
+
+def _quality_section(results: dict, fractions: list[float]) -> list[str]:
+    """Quality-weighted goodput per point and mode, beside goodput and training throughput, and its ratios."""
+    modes = results["modes"]
+    if not modes or "qwg" not in next(iter(modes.values()))["points"][0]:
+        return []  # results from before it was measured
+    lines = ["", "## Quality-weighted goodput", "",
+             "Each request that met its SLOs counts the held-out loss drop (base model minus the adapter version "
+             "that served it) per second: serving on time *and* with a better model. Base loss "
+             f"{results['base_loss']:.4f}.", "",
+             "| load | mode | goodput (req/s) | QWG (loss drop · req/s) | training tok/s |", "|---|---|---|---|---|"]
+    for i, f in enumerate(fractions):
+        for m, r in modes.items():
+            p = r["points"][i]
+            lo, hi = p.get("qwg_ci") or (None, None)
+            unknown = f" ({p['qw_unknown_version']} by unscored versions)" if p.get("qw_unknown_version") else ""
+            lines.append(f"| {f:g}× | {m} | {_fmt(p['goodput_rps'])} | {_fmt(p['qwg'], 4)}{_ci(lo, hi, 4)}{unknown} | "
+                         f"{p['train_tokens_per_s']:.0f} |")
+    ratios = {k: v for k, v in results["ratios"].items() if any(row.get("qwg_ratio") is not None for row in v)}
+    if ratios:
+        lines += ["", "| load | " + " | ".join(f"QWG {k}" for k in ratios) + " |", "|---|" + "---|" * len(ratios)]
+        for i, f in enumerate(fractions):
+            lines.append(f"| {f:g}× | " + " | ".join(
+                f"{_fmt(rows[i]['qwg_ratio'], 2)}{_ci(*rows[i]['qwg_ci'])}" for rows in ratios.values()) + " |")
+    return lines
+
+
+def _order_line(results: dict) -> str:
+    if not results.get("order"):
+        return ""  # results from before the order was kept
+    pooled = results["config"].get("order") == "counterbalanced"
+    return (f"Modes ran in this order: {', '.join(results['order'])}"
+            + ("; each mode's numbers pool its two passes, and each ratio's interval also covers both passes' own "
+               "ratios." if pooled else "."))
 
 
 def _markdown(results: dict, paths: dict) -> str:
@@ -150,6 +239,7 @@ def _markdown(results: dict, paths: dict) -> str:
         f"{t['min_output_tokens']}–{t['max_output_tokens']} tokens; each load point is a fresh segment of the trace "
         f"with its arrival times scaled to the point's mean rate (bursts kept). Intervals are 95% bootstrap "
         f"({cfg['bootstrap']} resamples); ratios use a paired bootstrap over the same requests.", "",
+        _order_line(results), "",
         f"**Serve-only capacity: {cap['rate']:.3f} req/s** at ≥ {cap['target_attainment']:.0%} attainment "
         f"({cap['note']}).", "",
     ]
@@ -181,11 +271,12 @@ def _markdown(results: dict, paths: dict) -> str:
         cells = []
         for rows in results["ratios"].values():
             row = rows[i]
-            cells.append(f"{_fmt(row['goodput_ratio'], 2)}{_ci(*row['ci'])}")
+            cells.append(f"{_fmt(row['goodput_ratio'], 2)}{_ci(*row['ci'])}{_passes(row.get('per_pass'))}")
         lines.append(f"| {f:g}× | " + " | ".join(cells) + " |")
     if "collm/isolated" in results["ratios"]:
         lines += ["", "Training throughput collm/isolated per point: " + ", ".join(
             f"{row['fraction']:g}× {_fmt(row['train_ratio'], 2)}" for row in results["ratios"]["collm/isolated"])]
+    lines += _quality_section(results, fractions)
     if results.get("drift"):
         vs_modes = list(results["drift"][0].get("vs_again", {}))  # absent in results from before it was kept
         lines += ["", "## Drift check", "",
@@ -209,5 +300,6 @@ def _markdown(results: dict, paths: dict) -> str:
     lines += ["", "Max rate: where a mode's attainment over the load points, fitted non-increasing in load "
               "(adjacent points pooled by their requests where a lighter point did worse), crosses the target."]
     lines += ["", f"![goodput]({paths['goodput_png'].name})", f"![attainment]({paths['attainment_png'].name})",
-              f"![training]({paths['training_png'].name})", f"![served loss]({paths['loss_png'].name})", ""]
+              f"![training]({paths['training_png'].name})", f"![training against goodput]({paths['tradeoff_png'].name})",
+              f"![served loss]({paths['loss_png'].name})", ""]
     return "\n".join(lines) + "\n"

@@ -394,7 +394,7 @@ class Router:
                f"{soon.edge}, about {soon.ttft_s:.1f} s); retry after {retry} s, or send "
                f"{BEST_EFFORT_HEADER}: 1 to be served late")
         return JSONResponse(error_body(msg, "rate_limit_error", code="slo_unattainable"), status_code=429,
-                            headers={"Retry-After": str(retry), SOONEST_HEADER: f"{soon.ttft_s:.3f}"})
+                            headers={"Retry-After": str(retry), SOONEST_HEADER: f"{soon.ttft_s:.6g}"})
 
     async def _attempt(self, edge: EdgeState, est: Estimate, method: str, path: str, raw: bytes, headers: dict,
                        stream: bool, attempt: int, request: Request, soonest: Estimate | None = None) -> Response:
@@ -502,7 +502,7 @@ class Router:
         out.setdefault("x-collm-edge", edge.name)
         out[ATTEMPTS_HEADER] = str(attempt)
         if soonest is not None and math.isfinite(soonest.ttft_s):
-            out[SOONEST_HEADER] = f"{soonest.ttft_s:.3f}"
+            out[SOONEST_HEADER] = f"{soonest.ttft_s:.6g}"  # significant digits: a fast edge estimates well under 1 ms
         return out
 
     def _observe_json(self, edge: EdgeState, est: Estimate, content: bytes) -> None:

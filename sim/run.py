@@ -2,7 +2,7 @@
 
 The run, as collm-bench runs it (lab/bench.py): serve-only's capacity C first (the same search,
 `search_capacity`, over simulated probes), then load points `fraction x C`, each a segment of the
-trace at that mean rate (`trace_segment`, bursts kept), every mode replaying the same arrivals;
+trace at that mean rate (`TraceConfig.segment`, bursts kept), every mode replaying the same arrivals;
 per point attainment, goodput, latency percentiles (`summarize`, the bench's) and training tokens/s,
 with bootstrap intervals; ratios between modes paired over the same requests (`write_report`, the
 bench's report). Then, with `sweep`, the same at every fleet size, and the fleet each mode needs.
@@ -18,7 +18,6 @@ from pathlib import Path
 
 from collm.common.errors import cli_entry
 from collm.common.stats import mean_ci, ratio_ci
-from collm.common.traces import trace_segment
 from collm.lab.bench import max_sustained_rate, search_capacity, window_span
 from collm.lab.loadgen import Outcome, summarize
 from collm.sim.config import SimConfig
@@ -103,7 +102,7 @@ def capacity(cfg: SimConfig, reqs, n_edges: int, seed: int, max_requests: int | 
 
     def probe(rate: float) -> dict:
         n[0] += 1
-        seg = trace_segment(reqs, rate, _seconds(c.probe_s or cfg.load.seconds, rate, max_requests),
+        seg = cfg.trace.segment(reqs, rate, _seconds(c.probe_s or cfg.load.seconds, rate, max_requests),
                             c.min_requests or cfg.load.min_requests)
         r = simulate(cfg, "serve-only", n_edges, [seg], [{"probe": n[0]}], seed + 1000 * n[0])
         return {k: v for k, v in r["points"][0].items() if k != "slo_met"}
@@ -119,8 +118,8 @@ def run_fleet(cfg: SimConfig, n_edges: int, seed: int, bar=None, max_requests: i
     cfg = for_fleet(cfg, n_edges)
     cap = capacity(cfg, reqs, n_edges, seed, max_requests)
     fractions = cfg.load.fractions
-    point_reqs = [trace_segment(reqs, f * cap["rate"], _seconds(cfg.load.seconds, f * cap["rate"], max_requests),
-                                cfg.load.min_requests) for f in fractions]
+    point_reqs = [cfg.trace.segment(reqs, f * cap["rate"], _seconds(cfg.load.seconds, f * cap["rate"], max_requests),
+                                    cfg.load.min_requests) for f in fractions]
     modes = ["serve-only"] + [m for m in cfg.modes if m != "serve-only"]
     results = {"modes": {}}
     for mode in modes:
@@ -173,7 +172,7 @@ def sweep_table(cfg: SimConfig, bar) -> list[dict]:
 def fleet_needed(cfg: SimConfig, rate: float, bar) -> dict:
     """Per mode: the smallest even fleet whose attainment at `rate` req/s is at least the target."""
     reqs = load_requests(cfg)
-    seg = trace_segment(reqs, rate, cfg.load.seconds, cfg.load.min_requests)
+    seg = cfg.trace.segment(reqs, rate, cfg.load.seconds, cfg.load.min_requests)
     target = cfg.capacity.target_attainment
     out = {}
     for mode in cfg.modes:

@@ -121,3 +121,110 @@ def test_a_failed_capacity_probe_is_replayed_before_the_search_turns_back():
     calls.clear()
     off = search_capacity(probe, c.model_copy(update={"confirm": False}))  # the unlucky probe stands alone
     assert off["rate"] < 6
+
+
+# ------------------------------------------------------------------ passes and quality-weighted goodput
+def _point(fraction, met, versions, window=10.0, train=50.0, tpot=0.1):
+    outcomes = [{"at": float(i), "status": 200, "ttft_s": 0.5, "tpot_s": tpot, "tokens": 8, "version": v,
+                 "edge": "e", "miss": None if m else "tpot", "soonest_ttft_s": None}
+                for i, (m, v) in enumerate(zip(met, versions))]
+    n = len(met)
+    return {"fraction": fraction, "rate": n / window, "window_s": window, "requests": n, "completed": n, "failed": 0,
+            "slo_met": [float(m) for m in met], "slo_attainment": sum(met) / n, "attainment_ci": [0, 1],
+            "goodput_rps": sum(met) / window, "goodput_ci": [0, 1], "train_tokens": train * window,
+            "train_tokens_per_s": train, "outcomes": outcomes, "ttft_p50": 0.5, "ttft_p90": 0.5, "tpot_p50": tpot,
+            "tpot_p90": tpot, "started_at": 0.0}
+
+
+def _mode(mode, met, versions, losses, train=50.0, rounds=2):
+    served = [{"t": 10.0 * r, "round": r, "loss": loss} for r, loss in enumerate(losses)]
+    return {"mode": mode, "replicas": 2, "startup_s": 1.0, "points": [_point(0.5, met, versions, train=train)],
+            "max_rate": 1.0, "versions_served": sorted(set(versions)), "rounds_completed": rounds, "reloads": [],
+            "wall_s": 30.0, "served_loss": served, "final_loss": losses[-1]}
+
+
+def test_quality_weighted_goodput_credits_each_met_request_with_its_versions_loss_drop():
+    from collm.lab.bench_analysis import add_quality
+
+    r = _mode("collm", met=[1, 1, 0, 1], versions=[0, 1, 2, 7], losses=[2.5, 2.3, 2.1])
+    add_quality(r, base_loss=2.5, resamples=200)
+    p = r["points"][0]
+    # version 0 (the base) gains 0, version 1 gains 0.2; the miss counts nothing; version 7 was never scored
+    assert p["qw"] == pytest.approx([0.0, 0.2, 0.0, 0.0]) and p["qw_unknown_version"] == 1
+    assert p["qwg"] == pytest.approx(0.2 / 10.0)
+    assert p["qwg_ci"][0] <= p["qwg"] <= p["qwg_ci"][1]
+    worse = _mode("x", met=[1], versions=[1], losses=[2.5, 2.7])  # a version worse than the base counts against
+    add_quality(worse, base_loss=2.5, resamples=200)
+    assert worse["points"][0]["qwg"] == pytest.approx(-0.2 / 10.0)
+
+
+def test_counterbalanced_order_runs_every_mode_twice_mirrored():
+    from collm.lab.bench import run_order
+
+    modes = ["serve-only", "collm", "isolated"]
+    assert run_order(modes, "counterbalanced", False) == modes + modes[::-1]
+    assert run_order(modes, "sequential", True) == modes + ["serve-only"]
+    assert run_order(modes, "sequential", False) == modes
+    assert run_order(["serve-only"], "sequential", True) == ["serve-only"]
+
+
+def test_pooled_passes_and_ratios_widened_to_each_passs_own():
+    from collm.lab.bench import combine_passes
+    from collm.lab.bench_analysis import add_quality, widened_ratio
+    from collm.lab.bench_report import write_report
+
+    # pass 1 ran on a fast machine, pass 2 on a slow one: collm met 8/8 then 4/8, serve-only 8/8 then 6/8
+    passes = {"serve-only": [_mode("serve-only", [1] * 8, [0] * 8, [2.5], train=0.0, rounds=0),
+                             _mode("serve-only", [1] * 6 + [0] * 2, [0] * 8, [2.5], train=0.0, rounds=0)],
+              "collm": [_mode("collm", [1] * 8, [1] * 8, [2.5, 2.4], train=80.0),
+                        _mode("collm", [1] * 4 + [0] * 4, [1] * 8, [2.5, 2.3], train=40.0)]}
+    for rs in passes.values():
+        for r in rs:
+            add_quality(r, 2.5, 200)
+    cfg = BenchConfig(order="counterbalanced", bootstrap=200)
+    results = {"config": cfg.model_dump(mode="json"), "base_loss": 2.5, "modes": {}, "passes": passes,
+               "order": ["serve-only (pass 1)", "collm (pass 1)", "collm (pass 2)", "serve-only (pass 2)"],
+               "capacity": {"rate": 1.6, "note": "test", "probes": [], "target_attainment": 0.9}, "wall_s": 1.0}
+    combine_passes(results, cfg)
+    collm = results["modes"]["collm"]["points"][0]
+    assert collm["requests"] == 16 and collm["passes"] == 2
+    assert collm["slo_attainment"] == pytest.approx(12 / 16) and collm["goodput_rps"] == pytest.approx(12 / 20)
+    assert collm["train_tokens_per_s"] == pytest.approx(60.0)
+    assert collm["qwg"] == pytest.approx((8 * 0.1 + 4 * 0.2) / 20)  # each pass by its own version's loss
+    assert results["drift"][0]["ratio"] == pytest.approx(6 / 8)  # serve-only's last pass against its first
+    assert "outcomes" not in passes["collm"][0]["points"][0]  # per-request lists only in the pooled points
+    w = widened_ratio(collm["slo_met"], results["modes"]["serve-only"]["points"][0]["slo_met"],
+                      [([1.0] * 8, [1.0] * 8), ([1.0] * 4 + [0.0] * 4, [1.0] * 6 + [0.0] * 2)], 200)
+    assert w["ratio"] == pytest.approx(12 / 14) and w["per_pass"] == pytest.approx([1.0, 4 / 6])
+    assert w["ci"][0] <= 4 / 6 and w["ci"][1] >= 1.0  # the interval covers both passes' own ratios
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        paths = write_report(results, Path(d))
+        report = paths["markdown"].read_text()
+        assert "## Quality-weighted goodput" in report and "(passes 1.00, 0.67)" in report
+        assert "Modes ran in this order: serve-only (pass 1), collm (pass 1)" in report
+        assert paths["tradeoff_png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    row = results["ratios"]["collm/serve-only"][0]
+    assert row["goodput_ratio"] == pytest.approx(12 / 14) and row["ci"] == pytest.approx(w["ci"])
+
+
+def test_bursts_keep_the_mean_rate_and_crowd_arrivals_into_the_on_phases():
+    from collm.common.traces import bursts
+    from collm.lab.bench_config import TraceConfig
+
+    even = [TraceRequest(float(i), 10, 4) for i in range(600)]  # 1 req/s
+    b = bursts(even, period_s=30.0, peak=2.5, duty=0.3)
+    assert [r.prompt_tokens for r in b] == [10] * 600 and all(x.arrival_s <= y.arrival_s for x, y in zip(b, b[1:]))
+    assert b[-1].arrival_s == pytest.approx(599.0, abs=30.0)  # the mean rate is kept (to within a period)
+    on = sum(1 for r in b if r.arrival_s % 30.0 < 9.0)  # the first 30% of each period
+    assert on / len(b) == pytest.approx(0.75, abs=0.03)  # 2.5 x 0.3 of the arrivals
+    with pytest.raises(ValueError, match="peak"):
+        bursts(even, 30.0, 4.0, 0.3)
+    with pytest.raises(UserError, match="trace.burst.peak"):
+        from collm.common.config import validate_config
+
+        validate_config(BenchConfig, {"trace": {"burst": {"peak": 4.0, "duty": 0.3}}}, "test")
+    seg = TraceConfig(burst={"period_s": 30.0, "peak": 2.5, "duty": 0.3}).segment(even, 2.0, 100.0, 10)
+    assert len(seg) == 200 and seg[-1].arrival_s == pytest.approx(99.5, abs=15.0)
