@@ -179,7 +179,7 @@ def bench_cosched(args, dev: torch.device) -> dict:
             tot_c = dict(eng.telemetry.totals)
             if job is not None:
                 # end the job: its deadline is far; stop it by giving it a deadline now
-                j = eng._job
+                j = eng.core.job
                 if j is not None and hasattr(j, "deadline_s"):
                     j.deadline_s = 0.0  # benchmark-only: there is no public cancel for a background job
                 rep = job.result(timeout=600)

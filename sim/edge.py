@@ -1,10 +1,9 @@
 """One simulated edge: the engine's step loop on a logical clock, deciding with the engine's own code.
 
-Each pass mirrors `Engine._loop` (edge_client/engine/engine.py): shed waiting requests that can no
-longer start in time (`planner.too_late`), admit into free slots (pinning the serving version),
-plan the step (`planner.plan_step`, the same Segment objects), run it for the profile's time, then
-ask the replica's co-execution policy (`co_schedule.make_policy`, the same object the engine asks)
-whether a unit of background work may run. Only the clock and the costs are simulated.
+Every decision is the replica core's (`edge_client/engine/replica.py`, the object `Engine` drives):
+shed and admit, plan the step (the same Segment objects), pick the background job and its carry, and
+ask the co-execution policy whether its next unit may run. SimEdge only keeps the clock: a step
+takes the profile's time, a unit its share of a measured micro-batch.
 
 Two fast-forwards keep 1,000 edges cheap, both exact under the shipped rule: (1) while only
 decodes run, nothing waits, and the policy refuses background work for a reason that cannot change
@@ -20,12 +19,10 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_left
-from collections import deque
 from itertools import accumulate
 
-from collm.edge_client.engine.co_schedule import RequestSlack, ServingLoad
-from collm.edge_client.engine.replica import latencies, outcome
-from collm.edge_client.engine.planner import next_step_shape, plan_step, prefill_time, step_shape, too_late
+from collm.common.slo import SLO
+from collm.edge_client.engine.replica import ReplicaCore
 from collm.sim.profile import EdgeProfile
 
 STABLE_REFUSALS = frozenset({"busy-share-off"})  # refusals that hold for a whole decode-only run
@@ -46,11 +43,11 @@ class SimRequest:
     """What the planner and the slack guard read of a request (the engine's `Request` fields)."""
 
     __slots__ = ("index", "point", "arrival", "prompt_ids", "prefilled", "out_ids", "slot", "adapter",
-                 "first_token_at", "max_tokens", "ttft_slo", "tpot_slo")
+                 "first_token_at", "max_tokens", "slo", "cancelled")
 
-    def __init__(self, index: int, point: int, arrival: float, prompt_tokens: int, max_tokens: int,
-                 ttft_slo: float, tpot_slo: float):
+    def __init__(self, index: int, point: int, arrival: float, prompt_tokens: int, max_tokens: int, slo: SLO):
         self.index, self.point, self.arrival = index, point, arrival
+        self.cancelled = False  # a simulated client never goes away
         self.prompt_ids = range(prompt_tokens)  # slicing a range is O(1): plan_step slices prompts
         self.prefilled = 0
         self.out_ids: list[int] = []
@@ -58,7 +55,7 @@ class SimRequest:
         self.adapter: Version | None = None
         self.first_token_at: float | None = None
         self.max_tokens = max_tokens
-        self.ttft_slo, self.tpot_slo = ttft_slo, tpot_slo
+        self.slo = slo
 
     @property
     def decoding(self) -> bool:
@@ -73,12 +70,14 @@ class SimJob:
     """A background job: micro-batches of `units` resumable units each, until `budget_tokens` input
     tokens are done, or past `deadline` (+ grace for the one in flight)."""
 
-    __slots__ = ("kind", "mb_s", "units", "mb_tokens", "budget_tokens", "deadline_s", "deadline", "grace_s",
-                 "unit_in_mb", "tokens", "on_done", "carry_after", "started", "ended")
+    __slots__ = ("kind", "profile", "mb_s", "units", "mb_tokens", "budget_tokens", "deadline_s", "deadline",
+                 "grace_s", "unit_in_mb", "tokens", "on_done", "carry_after", "carry_rounds", "started", "ended")
 
     def __init__(self, kind: str, profile: EdgeProfile, budget_tokens: int, deadline_s: float = math.inf,
-                 finish_grace: float = 0.0, on_done=None, carry_after: bool = False):
-        self.kind = kind
+                 finish_grace: float = 0.0, on_done=None, carry_after: bool = False, carry_rounds: float = 1.0):
+        """`on_done(job, deadline_hit)`: called when the job ends; `carry_after`: a round's job that leaves
+        a carry of `carry_rounds` times its budget (`training.carry_budget_rounds`)."""
+        self.kind, self.profile = kind, profile
         if kind == "train":
             self.mb_s, self.units, self.mb_tokens = profile.train_s, profile.train_units, profile.train_tokens
         else:
@@ -88,13 +87,33 @@ class SimJob:
         self.grace_s = finish_grace * deadline_s if math.isfinite(deadline_s) else 0.0
         self.unit_in_mb = 0  # units of the current micro-batch already run
         self.tokens = 0
-        self.on_done, self.carry_after = on_done, carry_after
+        self.on_done, self.carry_after, self.carry_rounds = on_done, carry_after, carry_rounds
         self.started = self.ended = False
 
     def start(self, now: float) -> None:
         if not self.started:
             self.started = True
             self.deadline = now + self.deadline_s
+
+    def past_deadline(self, now: float) -> bool:
+        """`BackgroundJob.past_deadline`: at the deadline no micro-batch starts; one in flight may finish
+        within the grace."""
+        if now < self.deadline:
+            return False
+        return self.unit_in_mb == 0 or now >= self.deadline + self.grace_s - 1e-9
+
+    def absorb(self, carry: SimJob) -> None:
+        """A round's job takes over the carry's completed micro-batches (`TrainJob` drops a half-done one)."""
+        self.tokens += carry.tokens
+
+    def make_carry(self) -> SimJob:
+        return SimJob("train", self.profile, max(1, round(self.budget_tokens * self.carry_rounds)))
+
+    def finish(self, deadline_hit: bool = False) -> None:
+        if not self.ended:
+            self.ended = True
+            if self.on_done is not None:
+                self.on_done(self, deadline_hit)
 
     @property
     def unit_s(self) -> float:
@@ -132,24 +151,21 @@ class SimJob:
 
 
 class SimEdge:
+    """The engine's loop on a logical clock: every decision is the replica core's (`ReplicaCore`)."""
+
     def __init__(self, index: int, name: str, profile: EdgeProfile, role: str, policy, world, seed: int,
-                 ttft_slo: float, tpot_slo: float, safety: float, carry_rounds: float = 4.0):
+                 slo: SLO, safety: float, log: list | None = None):
         self.index, self.name, self.p, self.role, self.policy, self.world = index, name, profile, role, policy, world
-        self.carry_rounds = carry_rounds  # training.carry_budget_rounds
         self.rng = random.Random(seed)
-        self.ttft_slo, self.tpot_slo, self.safety = ttft_slo, tpot_slo, safety
+        self.slo = slo
         self.serves, self.trains = "serve" in role, "train" in role
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
+        self.core = ReplicaCore(policy, profile.step_s, slots=profile.max_running, max_queue=profile.max_queue,
+                                step_token_budget=profile.step_token_budget, safety=safety, log=log)
         self.free = list(range(profile.max_running - 1, -1, -1))
         self.version = Version(0)
-        self.jobs: deque[SimJob] = deque()
-        self.job: SimJob | None = None
-        self.carry: SimJob | None = None
         self.act: tuple | None = None  # (kind, start, end, data)
         self.epoch = 0
         self._stepped = False
-        self._step_end = 0.0  # when the last serving step ended (the per-step cap counts from it)
         self._stable_refusal = True
         # counters (cumulative; the world windows them)
         self.busy_s = 0.0         # serving steps
@@ -160,17 +176,25 @@ class SimEdge:
         self.met = 0
         self.budget_fill: float | None = None  # tokens trained / budget last round (the load report's)
 
+    @property
+    def waiting(self):
+        return self.core.waiting
+
+    @property
+    def running(self):
+        return self.core.running
+
     # ------------------------------------------------------------------ inputs
     def arrive(self, r: SimRequest, now: float) -> bool:
         """A request reaches the edge (Engine.submit); False: the queue is full (429)."""
-        if len(self.waiting) >= self.p.max_queue + len(self.free):
+        if self.core.queue_full(len(self.core.waiting), len(self.free)):
             return False
-        self.waiting.append(r)
+        self.core.waiting.append(r)
         self._interrupt(now)
         return True
 
     def queue_job(self, job: SimJob, now: float) -> None:
-        self.jobs.append(job)
+        self.core.queue_job(job)
         self._interrupt(now)
 
     def set_version(self, version: int) -> None:
@@ -192,12 +216,12 @@ class SimEdge:
                 self.act = (RUN, start, ends[m], (ends[: m + 1],))
                 self._schedule(ends[m])
         elif kind == TRAIN:
-            job, planned, _, beside = data
+            job, planned, verdict, beside = data
             u = job.unit_s
             done = max(1, math.ceil((now - start) / u - 1e-9))
             if done < planned:
                 t = start + done * u
-                self.act = (TRAIN, start, t, (job, done, False, beside))
+                self.act = (TRAIN, start, t, (job, done, verdict, beside))
                 self._schedule(t)
 
     def _schedule(self, t: float) -> None:
@@ -223,43 +247,27 @@ class SimEdge:
             self._stepped = False
             if self._background(now):
                 return
-        self._shed(now)
-        self._admit()
-        if self.running:
+        for r, why in self.core.shed(now):
+            self._ended(r, now, why)
+        for r in self.core.admit(self._allocate):
+            r.adapter = self.version
+        if self.core.running:
             self._start_serving(now)
             return
         if self._background(now):
             return
         # idle: nothing until an arrival or a job (`_interrupt`)
 
-    def _shed(self, now: float) -> None:
-        if not self.waiting:
-            return
-        B = self.p.step_token_budget
-        keep = deque()
-        ahead = sum(r.prefill_left for r in self.running)
-        for r in self.waiting:
-            if too_late(now, r.arrival, prefill_time(ahead + len(r.prompt_ids), B, self.p.step_s), r.ttft_slo):
-                self._ended(r, now, "expired")
-            else:
-                keep.append(r)
-                ahead += len(r.prompt_ids)
-        self.waiting = keep
-
-    def _admit(self) -> None:
-        while self.waiting and self.free:
-            r = self.waiting.popleft()
-            r.slot = self.free.pop()
-            r.adapter = self.version
-            self.running.append(r)
+    def _allocate(self) -> int | None:
+        return self.free.pop() if self.free else None
 
     def _noise(self) -> float:
         s = self.p.noise_sigma
         return self.rng.lognormvariate(-0.5 * s * s, s) if s > 0 else 1.0  # mean 1
 
     def _start_serving(self, now: float) -> None:
-        running = self.running
-        if not self.waiting and self._stable_refusal and all(r.decoding for r in running):
+        running = self.core.running
+        if not self.core.waiting and self._stable_refusal and all(r.decoding for r in running):
             # a decode run up to the next finish
             d = len(running)
             k = min(r.max_tokens - len(r.out_ids) for r in running)
@@ -270,10 +278,8 @@ class SimEdge:
             self.act = (RUN, now, ends[-1], (ends,))
             self._schedule(ends[-1])
             return
-        segs = plan_step(running, self.p.step_token_budget)
+        segs, prefilling, shape = self.core.plan()
         by_slot = {r.slot: r for r in running}
-        prefilling = {s.slot for s in segs if not by_slot[s.slot].decoding}
-        shape = step_shape(segs, prefilling)
         dt = self.p.step_s(shape.decode, shape.prefill, shape.attended) * self._noise()
         self.act = (STEP, now, now + dt, (segs, prefilling, by_slot, dt))
         self._schedule(now + dt)
@@ -290,77 +296,39 @@ class SimEdge:
                     r.first_token_at = now
                 r.out_ids.append(0)
                 if len(r.out_ids) >= r.max_tokens:
-                    self._finish(r, now)
+                    self._ended(r, now, "length")
         self._stepped = True
 
     def _end_run(self, data, start: float, now: float) -> None:
         (ends,) = data
         n = len(ends)
         self._served(now, now - start)
-        for r in list(self.running):
+        for r in list(self.core.running):
             r.out_ids.extend([0] * n)
             if len(r.out_ids) >= r.max_tokens:
-                self._finish(r, now)
+                self._ended(r, now, "length")
         self._stepped = True
 
     def _served(self, end: float, seconds: float) -> None:
-        self._step_end = end
         self.busy_s += seconds
-        self.policy.observe_step(end, seconds)
-
-    def _finish(self, r: SimRequest, now: float) -> None:
-        self.running.remove(r)
-        self.free.append(r.slot)
-        self._ended(r, now, "length")
+        self.core.stepped(end, seconds)
 
     def _ended(self, r: SimRequest, now: float, status: str) -> None:
-        """The request leaves the edge: the co-execution policy learns its latencies (as the engine's
-        `_finish` tells it), the world records the outcome."""
-        ttft, tpot = latencies(r.arrival, r.first_token_at, len(r.out_ids), now)
-        if (seen := outcome(status, ttft, tpot, r.ttft_slo, r.tpot_slo)) is not None:
-            self.policy.observe_request(now, seen)
+        """The request leaves the edge (the core tells the co-execution policy); the world records it."""
+        slot = r.slot if r in self.core.running else None
+        ttft, tpot = self.core.ended(r, status, now)
+        if slot is not None:
+            self.free.append(slot)
         self.world.finished(r, self, now, status, ttft, tpot)
 
     # ------------------------------------------------------------------ background work
-    def _pick_job(self, now: float) -> SimJob | None:
-        """Engine._run_background's choice: the current job; queued work before the carry; a round's
-        training job absorbs the carry (its tokens and its micro-batch in flight)."""
-        if self.job is not None and self.job is self.carry and self.jobs:
-            self.job = None  # the carry yields to queued work, intact
-        if self.job is None and self.jobs:
-            self.job = self.jobs.popleft()
-            if self.job.kind == "train" and self.carry is not None:
-                c, j = self.carry, self.job
-                j.tokens, j.unit_in_mb = c.tokens, c.unit_in_mb
-                self.carry = None
-            self.job.start(now)
-        elif self.job is None and self.carry is not None and not self.carry.done():
-            self.job = self.carry
-            self.job.start(now)
-        return self.job
-
-    def _serving_load(self, now: float) -> ServingLoad:
-        running, waiting = self.running, self.waiting
-        shape = next_step_shape(running, self.p.step_token_budget)
-        step_s = self.p.step_s(shape.decode, shape.prefill, shape.attended) if running else 0.0
-        reqs = tuple(RequestSlack(r.arrival, r.first_token_at, len(r.out_ids), r.ttft_slo, r.tpot_slo,
-                                  r.prefill_left) for r in (*running, *waiting))
-        return ServingLoad(now, len(running), len(waiting), sum(r.prefill_left for r in running), step_s, reqs,
-                           self.p.step_token_budget, self.safety, max(0.0, now - self._step_end))
-
     def _background(self, now: float) -> bool:
-        """Start background work if the policy admits it; True if something started."""
+        """Start background work if the core's verdict admits it; True if something started."""
         self._stable_refusal = True  # no background work: nothing can want the replica mid-run
-        while True:
-            job = self._pick_job(now)
-            if job is None:
-                return False
-            if job.done() or now >= job.deadline + job.grace_s or (now >= job.deadline and job.unit_in_mb == 0):
-                self._end_job(job, now)
-                continue
-            break
-        load = self._serving_load(now)
-        v = self.policy.verdict(load, job.unit_s)
+        job = self.core.current_job(now)
+        if job is None:
+            return False
+        v, load = self.core.verdict(now, job.unit_s)
         self._stable_refusal = not v.run and v.reason in STABLE_REFUSALS
         if not v.run:
             return False
@@ -374,39 +342,24 @@ class SimEdge:
             units, kind = 1, UNIT
         units = max(1, units)
         end = now + units * job.unit_s
-        self.act = (kind, now, end, (job, units, v.reason == "busy-share", not load.idle))
+        self.act = (kind, now, end, (job, units, v, not load.idle))
         self._schedule(end)
         return True
 
     def _end_units(self, kind: int, data, start: float, now: float) -> None:
-        job, units, busy_share, beside = data
+        job, units, verdict, beside = data
         seconds = units * job.unit_s
         tokens = job.advance(units)
         self.train_s += seconds
         if beside:  # serving was waiting or running when the verdict admitted it (Telemetry's beside_serving)
             self.beside_s += seconds
-        if kind == UNIT and busy_share:
-            self.policy.spent(seconds)
-            self._stepped = True  # beside decodes the engine asks again before its next step
+        if kind == UNIT:
+            self.core.ran(verdict, seconds)
+            self._stepped = verdict.reason == "busy-share"  # beside decodes the engine asks again before its next step
         if job.kind == "train":
             self.train_tokens += tokens
-        if job.done() or now >= job.deadline:
-            if job.done() or job.unit_in_mb == 0 or now >= job.deadline + job.grace_s - 1e-9:
-                self._end_job(job, now)
-
-    def _end_job(self, job: SimJob, now: float) -> None:
-        if job.ended:
-            return
-        job.ended = True
-        if self.job is job:
-            self.job = None
-        if job is self.carry:
-            self.carry = None
-            return
-        if job.on_done is not None:
-            job.on_done(self, job, now)
-        if job.kind == "train" and job.carry_after:
-            self.carry = SimJob("train", self.p, max(1, round(job.budget_tokens * self.carry_rounds)))
+        self.core.after_units(job, now)
 
     def carried_tokens(self) -> int:
-        return self.carry.tokens if self.carry is not None else 0
+        c = self.core.carry
+        return c.tokens if c is not None else 0

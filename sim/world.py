@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from collm.common.protocol import LoadReport
-from collm.common.slo import meets_slo
+from collm.common.slo import SLO, meets_slo
 from collm.common.traces import TraceRequest
 from collm.edge_client.config import TrainingConfig
 from collm.edge_client.engine.co_schedule import make_policy
@@ -105,9 +105,11 @@ class World:
         self.rng = random.Random(int(edge_seeds[-1].generate_state(1)[0]))  # the router's p2c sampler
         tc = TrainingConfig(co_schedule=edge_policy(mode, cfg.co_schedule),
                             busy_share=cfg.busy_share if mode == "collm" else 0.0, feedback=cfg.feedback)
+        self.slo = SLO.from_ms(cfg.ttft_ms, cfg.tpot_ms)
+        self.carry_rounds = tc.carry_budget_rounds
         self.edges = [SimEdge(i, f"{role.replace('+', '-')}{i}", p, role, make_policy(tc), self,
-                              int(edge_seeds[i].generate_state(1)[0]), cfg.ttft_ms / 1000, cfg.tpot_ms / 1000,
-                              cfg.slo_safety, tc.carry_budget_rounds) for i, (p, role) in enumerate(zip(profiles, self.roles))]
+                              int(edge_seeds[i].generate_state(1)[0]), self.slo, cfg.slo_safety)
+                      for i, (p, role) in enumerate(zip(profiles, self.roles))]
         self.serving = [e for e in self.edges if e.serves]
         self.trainers = [e for e in self.edges if e.trains]
         self.policy = cfg.collm_routing if mode == "collm" else "round_robin"
@@ -201,8 +203,8 @@ class World:
     def _route(self, i: int, tr: TraceRequest, now: float) -> None:
         cfg = self.cfg
         p = tr.prompt_tokens + cfg.router.prompt_overhead_tokens
-        r = SimRequest(i, self._point, now, p, tr.output_tokens, cfg.ttft_ms / 1000, cfg.tpot_ms / 1000)
-        x = RequestView(tr.prompt_tokens + 8, tr.output_tokens, r.ttft_slo, r.tpot_slo)
+        r = SimRequest(i, self._point, now, p, tr.output_tokens, self.slo)
+        x = RequestView(tr.prompt_tokens + 8, tr.output_tokens, self.slo.ttft_s, self.slo.tpot_s)
         c = self._columns(now, self.counter % self.shards)
         d = fleet.choose(self.policy, c, x, self.rng, self.counter // self.shards, self.assumptions)
         self.counter += 1
@@ -228,7 +230,7 @@ class World:
             return
         ttft += self.cfg.network.rtt_s
         edge.finished += 1
-        ok = meets_slo(True, ttft, tpot, r.ttft_slo, r.tpot_slo)
+        ok = meets_slo(True, ttft, tpot, r.slo.ttft_s, r.slo.tpot_s)
         edge.met += ok
         self.out.append(Served(r.index, r.point, edge.index, status, ttft, tpot, r.adapter.version, ok))
 
@@ -338,7 +340,9 @@ class World:
                     self.round.took_part.append(d.name)
                     self._pending.add(e.index)
                     e.queue_job(SimJob("train", e.p, d.budget_tokens, d.deadline_s, self.cfg.finish_grace,
-                                       on_done=self._trained, carry_after=self.cfg.carry_between_rounds), now)
+                                       on_done=lambda job, hit, e=e: self._trained(e, job, self.now),
+                                       carry_after=self.cfg.carry_between_rounds, carry_rounds=self.carry_rounds),
+                                now)
             if not self._pending:
                 self.push(now + self.idle_wait_s, SERVER, 0)
         elif phase == 2:  # aggregate, then EVALUATE on every training edge
@@ -356,7 +360,8 @@ class World:
             n_mb = math.ceil(self.cfg.eval_records / self.trainers[0].p.eval_batch)
             for e in self.trainers:
                 self._pending.add(e.index)
-                e.queue_job(SimJob("eval", e.p, n_mb * e.p.eval_tokens, on_done=self._evaluated), now)
+                e.queue_job(SimJob("eval", e.p, n_mb * e.p.eval_tokens,
+                                   on_done=lambda job, hit, e=e: self._evaluated(e, job, self.now)), now)
         elif phase == 3:  # the round is done: isolated's serving half loads the new global
             rl = self.round
             rl.swapped_at = now

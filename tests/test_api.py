@@ -363,7 +363,7 @@ def test_a_dead_engine_makes_health_503(tmp_path):
         def broken_planner():  # a bug in the engine loop itself
             raise RuntimeError("planner bug")
 
-        e.engine._plan_step = broken_planner
+        e.engine.core.plan = broken_planner
         first = post(e, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert first.status_code in (500, 503)
         h = httpx.get(e.url + "/health")

@@ -268,7 +268,7 @@ def test_a_dead_engine_loop_says_so_and_refuses_requests():
     def broken_planner():  # a bug in the loop itself, not in one request
         raise RuntimeError("planner bug")
 
-    eng._plan_step = broken_planner
+    eng.core.plan = broken_planner
     try:
         assert eng.generate(prompt(eng, "hi"), GREEDY, timeout=10).reason == "error"
         deadline = time.time() + 10
@@ -475,15 +475,15 @@ def _wait_for(cond, timeout: float = 120.0) -> None:
 
 
 def test_training_carries_on_between_rounds_and_the_next_round_rebases_it_onto_the_new_global():
-    """After a federated round's job the replica keeps training in idle time (up to that round's
-    budget); the next round's job starts from  global + (carried adapter - the update sent)  and
+    """After a federated round's job the replica keeps training in idle time (up to carry_budget_rounds x
+    that round's budget); the next round's job starts from  global + (carried adapter - the update sent)  and
     counts the carried micro-batches as its own."""
     eng = tiny_engine()
     try:
         first = eng.train(TrainBudget(tokens=200), global_state=eng.initial_state, carry=True).result(timeout=120)
         sent = first.adapter_state
         assert first.tokens >= 200 and sent is not None
-        _wait_for(lambda: eng._carry is not None and eng._carry.future.done())  # at its cap: it waits
+        _wait_for(lambda: eng.core.carry is not None and eng.core.carry.future.done())  # at its cap: it waits
         carried = eng.carried_tokens()
         assert carried >= 200
         trained = eng.trainer.adapter.state_dict_peft()
@@ -508,7 +508,7 @@ def test_the_carry_yields_to_an_evaluation_and_resumes_after_it():
         before = eng.carried_tokens()
         ev = eng.evaluate().result(timeout=60)
         assert ev.sequences > 0 and ev.loss > 0
-        assert not eng._carry.future.done()  # paused, not ended
+        assert not eng.core.carry.future.done()  # paused, not ended
         _wait_for(lambda: eng.carried_tokens() > before)  # it went on after the evaluation
     finally:
         eng.stop()
@@ -539,7 +539,7 @@ def test_ffa_lora_trains_only_b_and_its_carry_keeps_a_frozen_too():
         assert all(torch.equal(frozen.adapter_state[k], start[k]) for k in a_keys)
         assert any(not torch.equal(frozen.adapter_state[k], start[k]) for k in start if "lora_B" in k)
         _wait_for(lambda: eng.carried_tokens() > 0)
-        _wait_for(lambda: eng._carry.report.steps >= 1)
+        _wait_for(lambda: eng.core.carry.report.steps >= 1)
         carried = eng.trainer.adapter.state_dict_peft()
         assert all(torch.equal(carried[k], start[k]) for k in a_keys)
     finally:

@@ -77,11 +77,8 @@ def test_decode_runs_fast_forwarded_equal_step_by_step(monkeypatch):
 
 
 def _one_step_at_a_time(self, now):
-    running = self.running
-    segs = sim_edge.plan_step(running, self.p.step_token_budget)
-    by_slot = {r.slot: r for r in running}
-    prefilling = {s.slot for s in segs if not by_slot[s.slot].decoding}
-    shape = sim_edge.step_shape(segs, prefilling)
+    segs, prefilling, shape = self.core.plan()
+    by_slot = {r.slot: r for r in self.running}
     dt = self.p.step_s(shape.decode, shape.prefill, shape.attended)
     self.act = (sim_edge.STEP, now, now + dt, (segs, prefilling, by_slot, dt))
     self._schedule(now + dt)
@@ -98,7 +95,7 @@ def test_an_idle_edge_trains_back_to_back_and_an_arrival_waits_only_for_the_unit
     prefill = 0.010 + 0.001 * (10 + c.router.prompt_overhead_tokens)
     assert s.ttft_s == pytest.approx(0.05 + prefill + c.network.rtt_s)
     assert e.train_tokens == 200  # two whole micro-batches by 2.1 s; the third one's first unit waits, kept
-    assert e.job is not None and e.job.unit_in_mb == 0 and e.beside_s == 0.0
+    assert e.core.job is not None and e.core.job.unit_in_mb == 0 and e.beside_s == 0.0
 
 
 def test_the_naive_policy_runs_a_micro_batch_after_every_step():

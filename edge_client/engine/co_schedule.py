@@ -222,9 +222,10 @@ class WorkConserving(CoSchedule):
         self._accrued_at = load.now
 
     def verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
-        self._accrue(load)
-        if load.idle:
+        if load.idle:  # idle time trains without the bucket; it neither fills it nor moves the share
+            self._accrued_at = load.now
             return Verdict(True, "idle")
+        self._accrue(load)
         if load.waiting or load.prefill_left:
             return Verdict(False, "serving-first")
         return self._busy_verdict(load, unit_s)

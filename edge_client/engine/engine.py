@@ -1,19 +1,21 @@
 """The edge replica engine: one frozen base model, serving and training on it in one step loop.
 
-The loop (`Engine._loop`) is the algorithm, in order:
+The loop (`Engine._loop`) is the algorithm, in order; every decision in it is the replica core's
+(`engine.replica.ReplicaCore`, the object the simulator drives too):
 
-1. take new requests and cancellations from other threads; shed (`engine.shed_late`) a waiting
+1. take new requests, cancellations and jobs from other threads; shed (`engine.shed_late`) a waiting
    request whose wait plus the prefill ahead of it and its own is past its TTFT target;
 2. admit waiting requests while a KV slot is free, pinning the current serving adapter version;
 3. plan a step (`planner.plan_step`): one decode token per running request, then prefill chunks
    (first come, first served) up to the step token budget;
 4. run the step (one forward over all of it, each request with its pinned adapter), sample, stream;
-5. maybe run one unit of background work (a training or evaluation micro-batch is a sequence of
-   layer-sized units, `training.layerwise`), if the co-execution rule (`co_schedule`) says serving
-   does not need the replica now.
+5. run background work (a training or evaluation micro-batch is a sequence of layer-sized units,
+   `training.layerwise`) as far as the co-execution rule (`co_schedule`) admits it: in idle time one
+   unit per pass, beside decodes unit after unit until the rule refuses.
 
 Other threads talk to the engine through `submit`, `cancel`, `train`, `evaluate`, `end_jobs` and
-`snapshot`; adapters are published through `engine.shadow`. Only the loop thread runs the model.
+`snapshot`; adapters are published through `engine.shadow`. Only the loop thread runs the model and
+touches the core; `clock` (perf_counter) is every decision's time.
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ import torch
 from collm.common.data import format_example
 from collm.common.slo import SLO
 from collm.edge_client.config import EdgeConfig
-from collm.edge_client.engine.co_schedule import RequestSlack, ServingLoad, make_policy
+from collm.edge_client.engine.co_schedule import ServingLoad, make_policy
 from collm.edge_client.engine.cost_model import CostModels, step_features
-from collm.edge_client.engine.replica import latencies, outcome
-from collm.edge_client.engine.planner import next_step_shape, plan_step, prefill_time, step_shape, too_late
+from collm.edge_client.engine.planner import StepShape
+from collm.edge_client.engine.replica import ReplicaCore
 from collm.edge_client.engine.requests import (AdmittedEvent, EngineError, EngineFailed, FinishEvent, PromptTooLong,
                                                QueueFull, Request, ShuttingDown, TokenEvent)
 from collm.edge_client.engine.telemetry import EdgeSnapshot, RequestRecord, Telemetry
@@ -46,7 +48,7 @@ from collm.edge_client.model.sampling import SamplingParams, TextStream, make_ge
 from collm.edge_client.model.shadow import ShadowAdapter
 from collm.edge_client.training.data import EdgeData
 from collm.edge_client.training.evaluation import EvalJob
-from collm.edge_client.training.jobs import BackgroundJob, JobReport, TrainBudget
+from collm.edge_client.training.jobs import BackgroundJob, TrainBudget
 from collm.edge_client.training.layerwise import ModelParts
 from collm.edge_client.training.trainer import LocalTrainer, TrainJob
 
@@ -71,8 +73,12 @@ def plan_kv(cfg: EdgeConfig, runner: ModelRunner, model_max: int) -> tuple[int, 
 
 class Engine:
     def __init__(self, lm: LoadedModel, cfg: EdgeConfig, data: EdgeData | None = None,
-                 costs: CostModels | None = None, seed: int = 0):
+                 costs: CostModels | None = None, seed: int = 0,
+                 clock: Callable[[], float] = time.perf_counter, decision_log: list | None = None):
+        """`clock`: the time every decision is made at (perf_counter; a test may drive a virtual one);
+        `decision_log`: a list the replica core appends each decision to (tests)."""
         self.lm, self.cfg = lm, cfg
+        self.clock = clock
         self.tokenizer = lm.tokenizer
         self.device = lm.device
         self.layers = inject_lora(lm.model, cfg.lora.target_modules, cfg.lora.r, cfg.lora.alpha)
@@ -84,6 +90,10 @@ class Engine:
         self.slo = cfg.slo.targets
         self.costs = costs or CostModels()
         self.policy = make_policy(cfg.training)
+        self.core = ReplicaCore(self.policy, self.costs.step_time, slots=self.pool.slots,
+                                max_queue=cfg.engine.max_queue, step_token_budget=cfg.engine.step_token_budget,
+                                safety=cfg.slo.safety, shed_late=cfg.engine.shed_late, log=decision_log)
+        self.core.on_job_end = self._job_ended
         self.telemetry = Telemetry()
         self.shadow = ShadowAdapter(self.layers, lm.device, lm.dtype, retain=cfg.adapters.retain)
         adapter = TrainableAdapter(self.layers, lm.device, seed=seed)
@@ -110,15 +120,9 @@ class Engine:
         self.eos_ids = {e for e in eos if e is not None}
 
         self._lock = threading.Condition()
-        self._incoming: deque[Request] = deque()
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
-        self._jobs: deque[BackgroundJob] = deque()
-        self._job: BackgroundJob | None = None
-        self._carry: TrainJob | None = None  # training between rounds (`LocalTrainer.carry`), lowest priority
+        self._incoming: deque[Request] = deque()  # submitted, not yet in the core's queue (other threads)
+        self._new_jobs: deque[BackgroundJob] = deque()  # queued, not yet in the core's (other threads)
         self._share_seen = 0.0  # the rule's share beside serving, as the timeline last recorded it
-        self._step_end = 0.0  # when the last serving step ended (perf_counter): the per-step cap counts from it
-        self._ending_jobs = False  # set at shutdown: end background jobs at the next unit boundary
         self._accepting = True
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -155,10 +159,10 @@ class Engine:
                 f"this edge's maximum context length is {self.max_context} tokens; the request needs "
                 f"{need} ({len(prompt_ids)} prompt + {params.max_tokens} max_tokens)")
         req = Request(id=request_id or f"req-{uuid.uuid4().hex[:12]}", prompt_ids=list(prompt_ids), params=params,
-                      slo=slo or self.slo, on_event=on_event)
+                      slo=slo or self.slo, on_event=on_event, arrival=self.clock())
         pinned = None if adapter is None else self.shadow.pin(adapter)
         with self._lock:
-            if len(self._waiting) + len(self._incoming) >= self.cfg.engine.max_queue + self.free_slots():
+            if self.core.queue_full(len(self.core.waiting) + len(self._incoming), self.free_slots()):
                 if pinned is not None:
                     self.shadow.release(pinned)
                 raise QueueFull(f"the queue is full ({self.cfg.engine.max_queue} waiting requests)")
@@ -188,7 +192,7 @@ class Engine:
 
     def carried_tokens(self) -> int:
         """Tokens trained since the last round's update that the next round's update will carry."""
-        c = self._carry
+        c = self.core.carry
         return c.report.tokens if c is not None else 0
 
     def evaluate(self, version: int | None = None, state: dict | None = None,
@@ -214,7 +218,7 @@ class Engine:
 
     def _queue_job(self, job: BackgroundJob) -> Future:
         with self._lock:
-            self._jobs.append(job)
+            self._new_jobs.append(job)
             self._lock.notify()
         return job.future
 
@@ -222,7 +226,7 @@ class Engine:
         """End the current and queued background jobs at the next unit boundary (shutdown): their
         futures resolve with what was done so far, marked as cut short by the deadline."""
         with self._lock:
-            self._ending_jobs = True
+            self.core.ending = True
             self._lock.notify()
 
     def free_slots(self) -> int:
@@ -231,8 +235,8 @@ class Engine:
     def load(self) -> dict:
         """Requests and work queued on this replica now."""
         with self._lock:
-            running, waiting = list(self._running), list(self._waiting) + list(self._incoming)
-            jobs = len(self._jobs) + (self._job is not None)
+            running, waiting = list(self.core.running), list(self.core.waiting) + list(self._incoming)
+            jobs = len(self.core.jobs) + len(self._new_jobs) + (self.core.job is not None)
         return {
             "running": len(running), "waiting": len(waiting), "jobs": jobs,
             "pending_decode_tokens": sum(r.params.max_tokens - len(r.out_ids) for r in running + waiting),
@@ -310,29 +314,43 @@ class Engine:
                 self.timeline.close()
 
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                if self._stop:
-                    break
-                self._waiting.extend(self._incoming)
-                self._incoming.clear()
-                idle = not self._running and not self._waiting and not self._has_job()
-                if idle:
-                    self._lock.wait(0.05)
-            if idle:
-                self._flush_timeline()
-                continue
-            self._drop_cancelled()
-            self._admit()
-            segments = self._plan_step()
-            if segments:
-                self._serve_step(segments)
-            ran = self._run_background()
-            if not segments and not ran:
-                with self._lock:
-                    self._lock.wait(0.01)  # a job that must wait with nothing to serve: don't spin
-                self._flush_timeline()
+        while self._pass():
+            pass
         self._fail_all("the edge stopped")
+
+    def _pass(self) -> bool:
+        """One pass of the loop (the module docstring); False once the engine is stopping."""
+        core = self.core
+        with self._lock:
+            if self._stop:
+                return False
+            core.waiting.extend(self._incoming)
+            self._incoming.clear()
+            core.jobs.extend(self._new_jobs)
+            self._new_jobs.clear()
+            idle = not core.running and not core.waiting and not core.has_job()
+            if idle:
+                self._lock.wait(0.05)
+            else:  # the queue changes only under the lock: load() and submit() read it from other threads
+                dropped = core.shed(self.clock())
+        if idle:
+            self._flush_timeline()
+            return True
+        for r, why in dropped:
+            self._finish(r, why)
+        with self._lock:
+            admitted = core.admit(self.pool.allocate)
+        for r in admitted:
+            self._set_up(r)
+        segments, prefilling, shape = core.plan()
+        if segments:
+            self._serve_step(segments, prefilling, shape)
+        ran = self._run_background()
+        if not segments and not ran:
+            with self._lock:
+                self._lock.wait(0.01)  # a job that must wait with nothing to serve: don't spin
+            self._flush_timeline()
+        return True
 
     def _flush_timeline(self) -> None:
         """A quiet replica's last events reach the file (outside the engine lock: a slow disk must not
@@ -340,63 +358,23 @@ class Engine:
         if self.timeline is not None:
             self.timeline.flush()
 
-    def _has_job(self) -> bool:
-        return self._job is not None or bool(self._jobs) or self._carry_runnable()
+    def _set_up(self, r: Request) -> None:
+        """An admitted request gets its adapter version (unless it asked for one), its detokenizer and
+        its sampler, and hears that it was admitted."""
+        try:
+            if r.adapter is None:
+                r.adapter = self.shadow.pin()
+            r.stream = TextStream(self.tokenizer, r.params.stop)
+            r.generator = make_generator(r.params, self.device)
+        except Exception:  # noqa: BLE001 - one request's set-up must not stop the engine
+            log.exception("request %s: could not be admitted", r.id)
+            self._finish(r, "error")
+            return
+        self._emit(r, AdmittedEvent(r.adapter.version))
 
-    def _carry_runnable(self) -> bool:
-        c = self._carry
-        return c is not None and not c.done() and not self._ending_jobs
-
-    def _drop_cancelled(self) -> None:
-        """Drop cancelled requests, and (engine.shed_late) waiting ones that can no longer start in time: the
-        wait so far plus the prefill queued ahead of them and their own (cost model) is past their TTFT target.
-        Counting only their own prefill let a request behind a burst of prompts wait until it was surely late."""
-        now = time.perf_counter()
-        shed = self.cfg.engine.shed_late
-        ahead = sum(r.prefill_left for r in self._running)  # prefill that runs before a waiting request's own
-        for r in list(self._waiting):
-            if r.cancelled:
-                self._waiting.remove(r)
-                self._finish(r, "cancelled")
-            elif shed and too_late(now, r.arrival, self._prefill_s(ahead + len(r.prompt_ids)), r.slo.ttft_s):
-                self._waiting.remove(r)
-                self._finish(r, "expired")
-            else:
-                ahead += len(r.prompt_ids)
-        for r in [r for r in self._running if r.cancelled]:
-            self._finish(r, "cancelled")
-
-    def _prefill_s(self, prompt_tokens: int) -> float:
-        """Predicted time to prefill a prompt alone: its chunks of at most the step token budget."""
-        return prefill_time(prompt_tokens, self.cfg.engine.step_token_budget, self.costs.step_time)
-
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.pool.slots:
-            slot = self.pool.allocate()
-            if slot is None:
-                return
-            r = self._waiting.popleft()
-            r.slot = slot
-            self._running.append(r)
-            try:
-                if r.adapter is None:
-                    r.adapter = self.shadow.pin()
-                r.stream = TextStream(self.tokenizer, r.params.stop)
-                r.generator = make_generator(r.params, self.device)
-            except Exception:  # noqa: BLE001 - one request's set-up must not stop the engine
-                log.exception("request %s: could not be admitted", r.id)
-                self._finish(r, "error")
-                continue
-            self._emit(r, AdmittedEvent(r.adapter.version))
-
-    def _plan_step(self) -> list[Segment]:
-        return plan_step(self._running, self.cfg.engine.step_token_budget)
-
-    def _serve_step(self, segments: list[Segment]) -> None:
-        by_slot = {r.slot: r for r in self._running}
-        prefilling = {s.slot for s in segments if not by_slot[s.slot].decoding}
-        shape = step_shape(segments, prefilling)
-        t0 = time.perf_counter()
+    def _serve_step(self, segments: list[Segment], prefilling: set[int], shape: StepShape) -> None:
+        by_slot = {r.slot: r for r in self.core.running}
+        t0 = self.clock()
         wanting = [by_slot[s.slot] for s in segments if s.want_logits]
         try:
             logits = self.runner.forward(segments, self.pool)
@@ -408,15 +386,14 @@ class Engine:
             for s in segments:
                 self._finish(by_slot[s.slot], "error")
             return
-        now = time.perf_counter()
+        now = self.clock()
         if self.timeline is not None:
             self.timeline.record("step", t=time.time() - (now - t0), s=now - t0, dec=shape.decode,
-                                 pf=shape.prefill, att=shape.attended, run=len(self._running),
-                                 wait=len(self._waiting))
+                                 pf=shape.prefill, att=shape.attended, run=len(self.core.running),
+                                 wait=len(self.core.waiting))
         self.costs.step.observe(step_features(shape.decode, shape.prefill, shape.attended), now - t0)
         self.telemetry.record_step(now - t0, len(segments))
-        self.policy.observe_step(now, now - t0)
-        self._step_end = now
+        self.core.stepped(now, now - t0)
         for s in segments:
             if s.slot in prefilling:
                 by_slot[s.slot].prefilled += len(s.tokens)
@@ -449,21 +426,18 @@ class Engine:
         if r.finished:
             return
         r.finished = True
-        now = time.perf_counter()
-        if r in self._running:
-            self._running.remove(r)
+        now = self.clock()
+        if r in self.core.running:
             self.pool.release(r.slot)
+        ttft, tpot = self.core.ended(r, reason, now)  # out of the queue; the co-execution policy learns it
         if r.adapter is not None:
             self.shadow.release(r.adapter)
         n = len(r.out_ids)
-        ttft, tpot = latencies(r.arrival, r.first_token_at, n, now)
         rec = RequestRecord(
             id=r.id, adapter_version=-1 if r.adapter is None else r.adapter.version,
             prompt_tokens=len(r.prompt_ids), output_tokens=n, ttft_s=ttft, tpot_s=tpot, e2e_s=now - r.arrival,
             ttft_slo_s=r.slo.ttft_s, tpot_slo_s=r.slo.tpot_s, finish_reason=reason, finished_at=time.time())
         self.telemetry.record_request(rec)
-        if (seen := outcome(reason, ttft, tpot, r.slo.ttft_s, r.slo.tpot_s)) is not None:
-            self.policy.observe_request(now, seen)
         text = r.stream.text if r.stream is not None else ""
         self._emit(r, FinishEvent(reason, rec, text, list(r.out_ids)))
 
@@ -476,78 +450,63 @@ class Engine:
             r.cancelled = True
 
     def _fail_all(self, reason: str) -> None:
-        for r in list(self._running) + list(self._waiting) + list(self._incoming):
+        core = self.core
+        with self._lock:
+            incoming, self._incoming = list(self._incoming), deque()
+            new_jobs, self._new_jobs = list(self._new_jobs), deque()
+        for r in list(core.running) + list(core.waiting) + incoming:
             self._finish(r, "error")
-        self._waiting.clear()
-        self._incoming.clear()
-        for job in ([self._job] if self._job else []) + list(self._jobs):
-            job.finish() if job.started_at is not None else job.fail(RuntimeError(reason))
-        self._job = None
-        self._jobs.clear()
-        self._carry = None
+        core.waiting.clear()
+        for job in ([core.job] if core.job else []) + list(core.jobs) + new_jobs:
+            job.finish() if job.started else job.fail(RuntimeError(reason))
+        core.job = None
+        core.jobs.clear()
+        core.carry = None
 
     # ================================================================= background work
     def _serving_load(self, now: float) -> ServingLoad:
-        """The plain-data view of serving the co-execution rule decides from."""
+        """The plain-data view of serving the co-execution rule decides from (with the requests other
+        threads have submitted since the pass began)."""
         with self._lock:
-            waiting = list(self._waiting) + list(self._incoming)
-        shape = next_step_shape(self._running, self.cfg.engine.step_token_budget)
-        step_s = self.costs.step_time(shape.decode, shape.prefill, shape.attended) if self._running else 0.0
-        reqs = tuple(RequestSlack(r.arrival, r.first_token_at, len(r.out_ids), r.slo.ttft_s, r.slo.tpot_s,
-                                  r.prefill_left) for r in self._running + waiting)
-        return ServingLoad(now, len(self._running), len(waiting), sum(r.prefill_left for r in self._running),
-                           step_s, reqs, self.cfg.engine.step_token_budget, self.cfg.slo.safety,
-                           max(0.0, now - self._step_end))
+            arriving = list(self._incoming)
+        return self.core.serving_load(now, arriving)
 
     def _run_background(self) -> bool:
         """Run background work the rule admits: in idle time one unit (the loop then looks for arrivals);
         beside decodes, unit after unit while the rule admits each (the gap before the next serving step);
         the naive policy a whole micro-batch. True if anything ran."""
-        with self._lock:
-            if self._job is not None and self._job is self._carry and self._jobs:
-                self._job = None  # the carry yields to queued work; its micro-batch in flight waits, intact
-            if self._job is None and self._jobs:
-                self._job = self._jobs.popleft()
-                if isinstance(self._job, TrainJob) and self._carry is not None:
-                    self._job.carried, self._carry = self._carry, None  # the round's job absorbs the carry
-                self._job.start()
-            elif self._job is None and self._carry_runnable():
-                self._job = self._carry
-                if self._job.started_at is None:
-                    self._job.start()
-        job = self._job
+        core = self.core
+        job = core.current_job(self.clock())
         if job is None:
             return False
-        now = time.perf_counter()
-        if job.done() or job.past_deadline(now) or self._ending_jobs:
-            self._end_job(job, deadline_hit=not job.done())
-            return False
+        ran = False
+        verdict = None
         try:
-            ran = False
-            verdict = None
             while True:
                 unit = job.next_unit()
                 if verdict is None or verdict.reason == "busy-share":  # beside decodes: ask before every unit
-                    load = self._serving_load(time.perf_counter())
-                    verdict = self.policy.verdict(load, self.costs.unit_time(job.kind, unit.kind, unit.tokens))
+                    with self._lock:
+                        arriving = list(self._incoming)
+                    verdict, load = core.verdict(self.clock(), self.costs.unit_time(job.kind, unit.kind, unit.tokens),
+                                                 arriving)
                     self._note_share()
                     if not verdict.run:
                         if not ran:
                             job.report.deferrals += 1
                             self.telemetry.record_deferral()
                         return ran
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 completed_tokens = job.run_unit()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
+                now = self.clock()
+                dt = now - t0
                 if self.timeline is not None:
                     self.timeline.record("unit", t=time.time() - dt, s=dt, job=job.kind,
                                          unit=unit.kind, tok=unit.tokens, why=verdict.reason)
                 self.costs.observe_unit(job.kind, unit.kind, unit.tokens, dt)
                 self.telemetry.record_background(job.kind, dt, completed_tokens, beside_serving=not load.idle)
-                if verdict.reason == "busy-share":
-                    self.policy.spent(dt)
+                core.ran(verdict, dt)
                 job.report.compute_seconds += dt
                 job.pass_s += dt
                 if completed_tokens:  # a micro-batch completed: what a whole one costs, for the load report
@@ -555,19 +514,17 @@ class Engine:
                                                                                          job.pass_s)
                     job.pass_s = 0.0
                 ran = True
-                if job.done():
-                    self._end_job(job)
-                    return True
+                if core.after_units(job, now) or core.ending:
+                    return True  # it ended (or ends at the next pass: shutdown)
                 if verdict.reason == "busy-share":
-                    if job.past_deadline(time.perf_counter()) or self._ending_jobs:
-                        return True  # the next call ends it
                     continue  # the gap before the next serving step may hold more (the verdict decides)
                 if not self.policy.whole_passes or job.at_pass_boundary():
-                    return True  # idle: one unit per loop, so an arrival waits at most for it
+                    return True  # idle: one unit per pass, so an arrival waits at most for it
         except Exception as e:  # noqa: BLE001 - a failed job must not take serving down
             log.exception("%s job failed", job.kind)
             job.fail(e)
-            self._job = None
+            if core.job is job:
+                core.job = None
             return False
 
     def _note_share(self) -> None:
@@ -579,12 +536,9 @@ class Engine:
                                  **({"slack": ctl.slack, "act": ctl.action} if ctl is not None else {}))
         self._share_seen = share
 
-    def _end_job(self, job: BackgroundJob, deadline_hit: bool = False) -> JobReport:
-        self._job = None
-        report = job.finish(deadline_hit)
+    def _job_ended(self, job: BackgroundJob, deadline_hit: bool) -> None:
+        """The core ended a job (its future now holds the report)."""
         train = job if isinstance(job, TrainJob) else None
         carry = " (carry, until the next round)" if train and train.is_carry else ""
-        log.info("%s job done%s: %s", job.kind, carry, {k: v for k, v in report.as_dict().items() if k != "extra"})
-        if train and train.carry_after and not self._ending_jobs:
-            self._carry = self.trainer.carry(train)
-        return report
+        log.info("%s job done%s: %s", job.kind, carry,
+                 {k: v for k, v in job.report.as_dict().items() if k != "extra"})

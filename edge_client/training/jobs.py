@@ -50,9 +50,11 @@ class JobReport:
 
 
 class BackgroundJob:
-    """Work the engine runs when serving leaves room, one unit per `run_unit()` call."""
+    """Work the engine runs when serving leaves room, one unit per `run_unit()` call. The replica core
+    (`engine.replica`) starts, ends and carries jobs through the methods below."""
 
     kind = "job"
+    carry_after = False  # a round's training job sets it: the core starts `make_carry()` when it ends
 
     def __init__(self, deadline_s: float | None, finish_grace: float = 0.0):
         self.future: Future = Future()
@@ -62,8 +64,21 @@ class BackgroundJob:
         self.finish_grace = finish_grace  # fraction of the deadline a micro-batch in flight may run past it
         self.pass_s = 0.0  # compute seconds of the micro-batch in flight so far (its cost, once complete)
 
-    def start(self) -> None:
-        self.started_at = time.perf_counter()
+    @property
+    def started(self) -> bool:
+        return self.started_at is not None
+
+    def start(self, now: float | None = None) -> None:
+        """`now`: the engine's clock (perf_counter); the deadline counts from it."""
+        self.started_at = time.perf_counter() if now is None else now
+
+    def absorb(self, carry: BackgroundJob) -> None:
+        """Take over a carry's work (training jobs)."""
+        raise NotImplementedError
+
+    def make_carry(self) -> BackgroundJob:
+        """The job that carries on after this one (training jobs with `carry_after`)."""
+        raise NotImplementedError
 
     def past_deadline(self, now: float) -> bool:
         """At the deadline no new micro-batch starts; one in flight may still finish within

@@ -150,12 +150,18 @@ class TrainJob(BackgroundJob):
         self._acc_tokens = 0
         self._loss_sum = 0.0
         self.is_carry = False
-        self.carry_after = False
+        self.carry_after = False  # the engine's core starts `make_carry()` when it ends
         self.base: dict | None = None  # a carry job: the adapter it started from (the update sent)
-        self.carried: TrainJob | None = None  # set by the engine: the carry job this round's job absorbs
+        self.carried: TrainJob | None = None  # the carry job this round's job absorbs when it starts
 
-    def start(self) -> None:
-        super().start()
+    def absorb(self, carry: TrainJob) -> None:
+        self.carried = carry
+
+    def make_carry(self) -> TrainJob:
+        return self.t.carry(self)
+
+    def start(self, now: float | None = None) -> None:
+        super().start(now)
         t = self.t
         if self.is_carry and t.cfg.reset_optimizer_each_round:
             t.optimizer = t._new_optimizer()  # the carry is the next round's start
