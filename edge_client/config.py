@@ -147,8 +147,12 @@ class FeedbackConfig(Strict):
     backoff: float = Field(0.5, ge=0, lt=1, description="the share is multiplied by this on a miss, a long wait "
                            "or a request shed as late")
     cool_s: float = Field(10.0, ge=0, description="no growth this long after a cut (seconds)")
-    queue_cut: float = Field(0.25, gt=0, le=1, description="a request waiting longer than this fraction of its "
+    queue_cut: float = Field(0.5, gt=0, le=1, description="a request waiting longer than this fraction of its "
                              "TTFT target cuts the share")
+    rho_max: float = Field(0.85, gt=0, le=1, description="serving busier than this (fraction of the last "
+                           "busy_window_s in serving steps) cuts the share to 0: near saturation any work beside "
+                           "serving queues requests (Heracles' load gate) ...")
+    rho_resume: float = Field(0.8, gt=0, le=1, description="... and it may grow again only below this")
     f_max: float = Field(0.8, ge=0, le=1, description="the share stays in [0, f_max] (training seconds per second)")
     stale_s: float = Field(30.0, ge=0, description="no evidence this long: the share falls to 0 (idle time only)")
 
@@ -157,6 +161,9 @@ class FeedbackConfig(Strict):
         if self.slack_low >= self.slack_high:
             raise ValueError(f"feedback.slack_low ({self.slack_low:g}) must be below feedback.slack_high "
                              f"({self.slack_high:g}): between them is the band where the share holds")
+        if self.rho_resume > self.rho_max:
+            raise ValueError(f"feedback.rho_resume ({self.rho_resume:g}) must not exceed feedback.rho_max "
+                             f"({self.rho_max:g})")
         if self.min_requests > self.window_requests:
             raise ValueError(f"feedback.min_requests ({self.min_requests}) must not exceed feedback.window_requests "
                              f"({self.window_requests})")

@@ -46,6 +46,16 @@ class NetworkConfig(Strict):
     reload_s: float = Field(0.5, ge=0, description="isolated: a serving replica loading the new adapter from disk")
 
 
+class InterferenceConfig(Strict):
+    """Edges that share one machine slow each other down (memory bandwidth, caches): measured on the
+    real bench with `python benchmarks/interference.py RUN_DIR` (its decode steps and training units
+    by what the other replica was doing)."""
+
+    per_machine: int = Field(1, ge=1, description="edges on one machine (consecutive edges share it); 1: none")
+    slowdown: float = Field(0.0, ge=0, le=2, description="a serving step or background unit takes this much longer "
+                            "(a fraction) for each other edge of its machine that is busy when it starts")
+
+
 class RouterSim(Strict):
     """The router's settings the simulation uses (router/config.py's defaults)."""
 
@@ -93,6 +103,7 @@ class SimConfig(Strict):
     federation: FederationBudget = FederationBudget(round_deadline_s=30.0, round_token_budget=6000, rounds=1000)
     quality: QualityCurve = QualityCurve()
     network: NetworkConfig = NetworkConfig()
+    interference: InterferenceConfig = InterferenceConfig()
     router: RouterSim = RouterSim()
     sweep: SweepConfig | None = Field(None, description="also run every fleet size of the sweep")
     warmup_s: float = Field(30.0, ge=0, description="simulated seconds before the first point (rounds start)")

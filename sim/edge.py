@@ -126,13 +126,14 @@ class SimJob:
         mbs = math.ceil((self.budget_tokens - self.tokens) / self.mb_tokens)
         return max(0, mbs * self.units - self.unit_in_mb)
 
-    def units_to_end(self, t0: float) -> int:
-        """Units to run from t0 until the job ends: its budget, or the deadline rule (`past_deadline`:
-        no micro-batch starts after the deadline; the one in flight may finish within the grace)."""
+    def units_to_end(self, t0: float, u: float | None = None) -> int:
+        """Units (of `u` seconds; default `unit_s`) to run from t0 until the job ends: its budget, or the
+        deadline rule (`past_deadline`: no micro-batch starts after the deadline; the one in flight may
+        finish within the grace)."""
         n = self.units_to_budget()
         if math.isinf(self.deadline):
             return n
-        u = self.unit_s
+        u = u or self.unit_s
         n_d = max(0, math.ceil((self.deadline - t0) / u - 1e-9))  # units that start before the deadline
         if n <= n_d:
             return n
@@ -164,6 +165,8 @@ class SimEdge:
         self.free = list(range(profile.max_running - 1, -1, -1))
         self.version = Version(0)
         self.act: tuple | None = None  # (kind, start, end, data)
+        self.neighbours: list[SimEdge] = []  # edges on the same machine (the world's interference setting)
+        self.slowdown = 0.0  # a step or unit is this much longer per busy neighbour
         self.epoch = 0
         self._stepped = False
         self._stable_refusal = True
@@ -216,12 +219,11 @@ class SimEdge:
                 self.act = (RUN, start, ends[m], (ends[: m + 1],))
                 self._schedule(ends[m])
         elif kind == TRAIN:
-            job, planned, verdict, beside = data
-            u = job.unit_s
+            job, planned, verdict, beside, u = data
             done = max(1, math.ceil((now - start) / u - 1e-9))
             if done < planned:
                 t = start + done * u
-                self.act = (TRAIN, start, t, (job, done, verdict, beside))
+                self.act = (TRAIN, start, t, (job, done, verdict, beside, u))
                 self._schedule(t)
 
     def _schedule(self, t: float) -> None:
@@ -265,6 +267,12 @@ class SimEdge:
         s = self.p.noise_sigma
         return self.rng.lognormvariate(-0.5 * s * s, s) if s > 0 else 1.0  # mean 1
 
+    def _interference(self) -> float:
+        """How much longer what starts now takes: `slowdown` per other edge of the machine busy now."""
+        if not self.slowdown:
+            return 1.0
+        return 1.0 + self.slowdown * sum(1 for n in self.neighbours if n.act is not None)
+
     def _start_serving(self, now: float) -> None:
         running = self.core.running
         if not self.core.waiting and self._stable_refusal and all(r.decoding for r in running):
@@ -272,15 +280,15 @@ class SimEdge:
             d = len(running)
             k = min(r.max_tokens - len(r.out_ids) for r in running)
             a0 = sum(len(r.prompt_ids) + len(r.out_ids) for r in running)
-            step_s = self.p.step_s
-            times = [step_s(d, 0, a0 + j * d) * self._noise() for j in range(k)]
+            step_s, slow = self.p.step_s, self._interference()
+            times = [step_s(d, 0, a0 + j * d) * self._noise() * slow for j in range(k)]
             ends = list(accumulate(times, initial=now))[1:]
             self.act = (RUN, now, ends[-1], (ends,))
             self._schedule(ends[-1])
             return
         segs, prefilling, shape = self.core.plan()
         by_slot = {r.slot: r for r in running}
-        dt = self.p.step_s(shape.decode, shape.prefill, shape.attended) * self._noise()
+        dt = self.p.step_s(shape.decode, shape.prefill, shape.attended) * self._noise() * self._interference()
         self.act = (STEP, now, now + dt, (segs, prefilling, by_slot, dt))
         self._schedule(now + dt)
 
@@ -332,23 +340,24 @@ class SimEdge:
         self._stable_refusal = not v.run and v.reason in STABLE_REFUSALS
         if not v.run:
             return False
+        u = job.unit_s * self._interference()
         if self.policy.whole_passes:  # naive: the rest of the micro-batch at once
             units = job.units - job.unit_in_mb
             kind = PASS
         elif load.idle:  # idle: unit after unit until the job ends or something arrives
-            units = job.units_to_end(now)
+            units = job.units_to_end(now, u)
             kind = TRAIN
         else:
             units, kind = 1, UNIT
         units = max(1, units)
-        end = now + units * job.unit_s
-        self.act = (kind, now, end, (job, units, v, not load.idle))
+        end = now + units * u
+        self.act = (kind, now, end, (job, units, v, not load.idle, u))
         self._schedule(end)
         return True
 
     def _end_units(self, kind: int, data, start: float, now: float) -> None:
-        job, units, verdict, beside = data
-        seconds = units * job.unit_s
+        job, units, verdict, beside, u = data
+        seconds = units * u
         tokens = job.advance(units)
         self.train_s += seconds
         if beside:  # serving was waiting or running when the verdict admitted it (Telemetry's beside_serving)

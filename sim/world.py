@@ -110,6 +110,11 @@ class World:
         self.edges = [SimEdge(i, f"{role.replace('+', '-')}{i}", p, role, make_policy(tc), self,
                               int(edge_seeds[i].generate_state(1)[0]), self.slo, cfg.slo_safety)
                       for i, (p, role) in enumerate(zip(profiles, self.roles))]
+        m, slow = cfg.interference.per_machine, cfg.interference.slowdown
+        for e in self.edges:  # consecutive edges share a machine and slow each other down
+            first = e.index - e.index % m
+            e.neighbours = [x for x in self.edges[first:first + m] if x is not e]
+            e.slowdown = slow
         self.serving = [e for e in self.edges if e.serves]
         self.trainers = [e for e in self.edges if e.trains]
         self.policy = cfg.collm_routing if mode == "collm" else "round_robin"

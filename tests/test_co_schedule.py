@@ -182,11 +182,30 @@ def test_a_long_wait_or_a_shed_request_cuts_at_once():
     f0 = c.f
     waiting = RequestSlack(arrival=9.0, first_token_at=None, tokens_out=0, ttft_slo=3.0, tpot_slo=0.4,
                            prefill_left=50)
-    c.update(decode_load(11.0, [waiting]))  # waited 2 s > 0.25 x 3 s
+    c.update(decode_load(11.0, [waiting]))  # waited 2 s > 0.5 x 3 s
     assert c.action == "cut-wait" and c.f == pytest.approx(f0 / 2)
     c.observe(11.5, RequestOutcome(None, None, 3.0, 0.4, shed=True))
     c.update(decode_load(12.5))
     assert c.action == "cut-shed" and c.f == pytest.approx(f0 / 4)
+
+
+def test_the_load_gate_closes_near_saturation_whatever_the_latencies_and_reopens_below_resume():
+    c = SlackController(FeedbackConfig(rho_max=0.85, rho_resume=0.8))
+    t = feed(c, 0.0, 20, tpot=0.1)  # plenty of slack: f grew
+    assert c.f > 0.3
+    for i, (rho, action) in enumerate([(0.9, "load-gate"), (0.82, "load-gate"), (0.79, "up"), (0.84, "up")]):
+        c.observe(t + i, served(0.1))
+        c.note_refusal("bucket")
+        c.update(decode_load(t + i + 0.5), rho=rho)
+        assert c.action == action, (rho, c.action)
+    assert c.f == pytest.approx(0.06)  # from 0 after the gate: two steps up
+    p = SlackFeedback(FeedbackConfig(period_s=1.0, min_requests=1, cool_s=0), window_s=10.0)
+    for i in range(200):  # serving back to back: rho = 1, the gate stays shut however fast requests are
+        p.observe_step(i * 0.1 + 0.1, 0.1)
+        if i >= 100 and i % 10 == 0:
+            p.observe_request(i * 0.1, served(0.01))
+            p.verdict(decode_load(i * 0.1 + 0.1, [decoding(i * 0.1 + 0.1)]), unit_s=5.0)
+    assert p.share == 0.0 and p.controller.action == "load-gate"
 
 
 def test_stale_measurements_fall_back_to_the_idle_rule_not_to_training_flat_out():

@@ -39,8 +39,11 @@ Where the bucket's fill rate comes from is the policy's choice:
   miss (s < 0), a request that waited longer than `queue_cut` of its TTFT target, or a request
   shed as late halves f, empties the bucket and holds growth for `cool_s`; s below `slack_low`
   steps f down by `step`; s above `slack_high` steps it up, but only while the bucket is what
-  refuses units (no wind-up while the guards or serving bind). With fewer than `min_requests`
-  fresh requests there is no evidence: f holds, and after `stale_s` decays to 0, the idle rule.
+  refuses units (no wind-up while the guards or serving bind). A load gate (Heracles') comes
+  first: serving busier than `rho_max` over the last `busy_window_s` sets f to 0 until it falls
+  below `rho_resume`, since near saturation any work beside serving queues requests whatever the
+  last latencies said. With fewer than `min_requests` fresh requests there is no evidence: f
+  holds, and after `stale_s` decays to 0, the idle rule.
   The per-step cap's gamma is 1 here: no single token may come later than s * P; the controller
   decides how much of the slack below that training takes on average.
 * `work_conserving` (a fixed share): f = max(0, u - rho - margin), u = `training.busy_share`;
@@ -266,6 +269,7 @@ class SlackController:
         self._hold_until = -math.inf
         self._fresh_at: float | None = None
         self._cut_pending = False
+        self._loaded = False  # the load gate is closed (serving was busier than rho_max)
         self._refused = self._bucket_refused = 0
 
     def observe(self, end: float, o: RequestOutcome) -> None:
@@ -296,8 +300,9 @@ class SlackController:
                             (now - r.first_token_at) / max(r.tokens_out, 1) / r.tpot_slo))
         return out
 
-    def update(self, load: ServingLoad) -> bool:
-        """Adjust f if a period has passed; True if it was cut (the caller empties its bucket)."""
+    def update(self, load: ServingLoad, rho: float = 0.0) -> bool:
+        """Adjust f if a period has passed (`rho`: serving's busy fraction over the last window); True if
+        it was cut (the caller empties its bucket)."""
         p, now = self.p, load.now
         if self._tick_at is None:
             self._tick_at = self._fresh_at = now
@@ -307,6 +312,11 @@ class SlackController:
         self._tick_at = now
         binds = self._refused > 0 and self._bucket_refused * 2 > self._refused
         self._refused = self._bucket_refused = 0
+        if rho > p.rho_max or (self._loaded and rho >= p.rho_resume):
+            self._loaded = True
+            self.f, self.action = 0.0, "load-gate"
+            return True
+        self._loaded = False
         fresh = sum(1 for t, _, _ in self._ended if now - t <= p.window_s)
         waited = any(r.first_token_at is None and now - r.arrival > p.queue_cut * r.ttft_slo for r in load.requests)
         if self._cut_pending or waited:
@@ -345,15 +355,16 @@ class SlackFeedback(WorkConserving):
 
     name = "slo_feedback"
 
-    def __init__(self, params: FeedbackConfig | None = None, gamma: float = 1.0, bucket_max_s: float = 1.0):
-        super().__init__(busy_share=0.0, margin=0.0, gamma=gamma, bucket_max_s=bucket_max_s)
+    def __init__(self, params: FeedbackConfig | None = None, gamma: float = 1.0, bucket_max_s: float = 1.0,
+                 window_s: float = 10.0):
+        super().__init__(busy_share=0.0, margin=0.0, gamma=gamma, window_s=window_s, bucket_max_s=bucket_max_s)
         self.controller = SlackController(params)
 
     def observe_request(self, end: float, outcome: RequestOutcome) -> None:
         self.controller.observe(end, outcome)
 
     def fill_rate(self, load: ServingLoad) -> float:
-        if self.controller.update(load):
+        if self.controller.update(load, self.window.rho(load.now)):
             self.bucket = 0.0
         return self.controller.f
 
@@ -390,6 +401,6 @@ def make_policy(training_cfg) -> CoSchedule:
     if kind is Naive:
         return Naive()
     if kind is SlackFeedback:
-        return SlackFeedback(training_cfg.feedback)
+        return SlackFeedback(training_cfg.feedback, window_s=training_cfg.busy_window_s)
     return WorkConserving(busy_share=training_cfg.busy_share, margin=training_cfg.busy_margin,
                           window_s=training_cfg.busy_window_s)
