@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collm.common.data import Example
 from collm.edge_client.model.lora import AdapterWeights, ServingBinding
-from collm.edge_client.training.jobs import BackgroundJob
-from collm.edge_client.training.layerwise import LayerwisePass, ModelParts, Unit
+from collm.edge_client.training.jobs import PassJob
+from collm.edge_client.training.layerwise import LayerwisePass, ModelParts
 from collm.edge_client.training.trainer import collate
 
 
-class EvalJob(BackgroundJob):
+class EvalJob(PassJob):
     """Mean per-token holdout loss of `weights` (None: the base model), `batch_size` examples per pass."""
 
     kind = "eval"
@@ -24,32 +24,17 @@ class EvalJob(BackgroundJob):
         self.pad_id = pad_id
         self.device = device
         self.pos = 0
-        self._pass: LayerwisePass | None = None
         self._loss_sum = 0.0
         self._correct = 0
         self.report.extra["version"] = None if weights is None else weights.version
 
-    def _current(self) -> LayerwisePass:
-        if self._pass is None:
-            exs = self.examples[self.pos: self.pos + self.batch_size]
-            ids, mask, labels = collate(exs, self.pad_id, self.device)
-            binding = None if self.weights is None else ServingBinding([(0, ids.numel(), self.weights)])
-            self._pass = LayerwisePass(self.parts, ids, mask, labels, binding)
-        return self._pass
+    def new_pass(self) -> LayerwisePass:
+        exs = self.examples[self.pos: self.pos + self.batch_size]
+        ids, mask, labels = collate(exs, self.pad_id, self.device)
+        binding = None if self.weights is None else ServingBinding([(0, ids.numel(), self.weights)])
+        return LayerwisePass(self.parts, ids, mask, labels, binding)
 
-    def next_unit(self) -> Unit:
-        return self._current().next_unit()
-
-    def at_pass_boundary(self) -> bool:
-        return self._pass is None
-
-    def run_unit(self) -> int:
-        p = self._current()
-        p.run_unit()
-        self.report.units += 1
-        if not p.done:
-            return 0
-        self._pass = None
+    def completed(self, p: LayerwisePass) -> int:
         k = min(self.batch_size, len(self.examples) - self.pos)
         self.pos += k
         r = self.report

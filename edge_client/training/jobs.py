@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from collm.edge_client.training.layerwise import Unit
+from collm.edge_client.training.layerwise import LayerwisePass, Unit
 
 
 @dataclass
@@ -116,3 +116,39 @@ class BackgroundJob:
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
             self.future.set_exception(exc)
+
+
+class PassJob(BackgroundJob):
+    """A job made of micro-batch passes (`layerwise.LayerwisePass`), run one unit at a time: a pass is
+    built when the first of its units runs (`new_pass`) and counted when its last one has (`completed`)."""
+
+    def __init__(self, deadline_s: float | None, finish_grace: float = 0.0):
+        super().__init__(deadline_s, finish_grace)
+        self._pass: LayerwisePass | None = None
+
+    def new_pass(self) -> LayerwisePass:
+        raise NotImplementedError
+
+    def completed(self, p: LayerwisePass) -> int:
+        """Account for a finished pass; returns its input tokens."""
+        raise NotImplementedError
+
+    def _current(self) -> LayerwisePass:
+        if self._pass is None:
+            self._pass = self.new_pass()
+        return self._pass
+
+    def next_unit(self) -> Unit:
+        return self._current().next_unit()
+
+    def at_pass_boundary(self) -> bool:
+        return self._pass is None
+
+    def run_unit(self) -> int:
+        p = self._current()
+        p.run_unit()
+        self.report.units += 1
+        if not p.done:
+            return 0
+        self._pass = None
+        return self.completed(p)

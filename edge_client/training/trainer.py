@@ -33,7 +33,7 @@ import torch
 from collm.common.data import Example
 from collm.edge_client.config import TrainingConfig
 from collm.edge_client.model.lora import LoRALayers, TrainableAdapter, TrainingBinding
-from collm.edge_client.training.jobs import BackgroundJob, JobReport, TrainBudget
+from collm.edge_client.training.jobs import JobReport, PassJob, TrainBudget
 from collm.edge_client.training.layerwise import LayerwisePass, ModelParts, Unit, layer_params_of, timed_units
 
 
@@ -130,7 +130,7 @@ class LocalTrainer:
         return job
 
 
-class TrainJob(BackgroundJob):
+class TrainJob(PassJob):
     kind = "train"
 
     def __init__(self, trainer: LocalTrainer, budget: TrainBudget, global_state: dict | None,
@@ -144,7 +144,6 @@ class TrainJob(BackgroundJob):
         self._anchor: list[torch.Tensor] | None = None
         self.serve_local = True
         self.freeze_a = False
-        self._pass: LayerwisePass | None = None
         self._grads: dict[int, torch.Tensor] = {}
         self._acc_seqs = 0
         self._acc_tokens = 0
@@ -198,28 +197,10 @@ class TrainJob(BackgroundJob):
         r.extra["carried_tokens"] = cr.tokens
         r.extra["carried_seconds"] = round(cr.seconds, 3)
 
-    def _current(self) -> LayerwisePass:
-        if self._pass is None:
-            self._pass = self.t.new_pass(self.t.stream.peek(self.t.cfg.micro_batch_size))
-        return self._pass
+    def new_pass(self) -> LayerwisePass:
+        return self.t.new_pass(self.t.stream.peek(self.t.cfg.micro_batch_size))
 
-    def next_unit(self) -> Unit:
-        return self._current().next_unit()
-
-    def at_pass_boundary(self) -> bool:
-        return self._pass is None
-
-    def run_unit(self) -> int:
-        p = self._current()
-        p.run_unit()
-        self.report.units += 1
-        if not p.done:
-            return 0
-        self._pass = None
-        self._absorb(p)
-        return p.tokens
-
-    def _absorb(self, p: LayerwisePass) -> None:
+    def completed(self, p: LayerwisePass) -> int:
         """A micro-batch completed: keep its gradients, count it, maybe take an optimizer step."""
         t, r = self.t, self.report
         k = self.t.cfg.micro_batch_size
@@ -240,6 +221,7 @@ class TrainJob(BackgroundJob):
         self._acc_tokens += p.answer_tokens
         if self._acc_seqs >= t.sequences_per_step:
             self._optimizer_step()
+        return p.tokens
 
     def _optimizer_step(self) -> None:
         t = self.t
