@@ -38,8 +38,15 @@ PROXIMAL_MU = "proximal-mu"
 FREEZE_A = "lora-freeze-a"  # FFA-LoRA: train only the B matrices (A stays the global's)
 CLIPPING_NORM = "clipping_norm"  # DP: clip the update to this L2 norm (Flower's KEY_CLIPPING_NORM)
 
-TRAIN_KEYS = ("num-examples", "train-loss", "train-tokens", "train-steps", "deadline-hit", "seconds", "carried-tokens")
-EVAL_KEYS = ("num-examples", "eval-loss", "eval-accuracy", "adapter-version")
+# reply metrics (MetricRecord keys), written by edge_client/federation/client.py, read by server/
+TRAIN_LOSS, TRAIN_TOKENS, TRAIN_STEPS = "train-loss", "train-tokens", "train-steps"
+DEADLINE_HIT, SECONDS, CARRIED_TOKENS = "deadline-hit", "seconds", "carried-tokens"
+UPDATE_NORM = "update-norm"  # DP: the norm of the update before it was clipped
+EVAL_LOSS, EVAL_ACCURACY = "eval-loss", "eval-accuracy"
+ADAPTER_VERSION = "adapter-version"  # the version the edge serves after the evaluation
+CANARY_REFUSED = "canary-refused"  # 1: its canary gate refused the round's global
+TRAIN_KEYS = (NUM_EXAMPLES, TRAIN_LOSS, TRAIN_TOKENS, TRAIN_STEPS, DEADLINE_HIT, SECONDS, CARRIED_TOKENS)
+EVAL_KEYS = (NUM_EXAMPLES, EVAL_LOSS, EVAL_ACCURACY, ADAPTER_VERSION, CANARY_REFUSED)
 UNKNOWN = -1.0
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -109,7 +116,7 @@ class LoadReport:
             spare_capacity=num("spare-capacity"), queue_depth=num("queue-depth"), running=num("running"),
             train_examples=int(num("train-examples")), gain_per_ktok=gain if gain != UNKNOWN else None,
             train_tokens_per_s=num("train-tokens-per-s"), goodput=num("goodput"),
-            adapter_version=int(num("adapter-version", UNKNOWN)),
+            adapter_version=int(num(ADAPTER_VERSION, UNKNOWN)),
             refused_version=int(num("refused-version", UNKNOWN)), carried_tokens=int(num("carried-tokens")),
             train_share=min(max(num("train-share"), 0.0), 1.0),
             budget_fill=fill if (fill := num("budget-fill", UNKNOWN)) >= 0 else None)

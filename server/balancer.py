@@ -57,7 +57,7 @@ matters for differential privacy: no sampling amplification is claimed, `collm.s
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from collm.common.protocol import LoadReport
 
@@ -67,12 +67,19 @@ KEPT_UP = 0.99  # budget fill at or above which an edge kept up with its last bu
 
 @dataclass(frozen=True)
 class BalancerParams:
+    """The rule's parameters (the server config's `balancer:` section, `balancer_params`)."""
+
     target_attainment: float | None  # A* (None: no attainment gate)
     round_deadline_s: float          # D
     round_token_budget: int          # B
     min_edge_tokens: int             # m
     spare_use: float                 # u
-    fill_budget: bool = False        # hand out B - Σ x_i by weight (see the module docstring)
+    fill_budget: bool                # hand out B - Σ x_i by weight (see the module docstring)
+
+
+def balancer_params(cfg) -> BalancerParams:
+    """The parameters a `server.config.BalancerConfig` sets, field by field (the strategy and collm-sim)."""
+    return BalancerParams(**{f.name: getattr(cfg, f.name) for f in fields(BalancerParams)})
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,29 @@ def balance(reports: list[LoadReport], p: BalancerParams) -> list[Decision]:
         decisions.append(Decision(name, True, tokens, float(p.round_deadline_s), f"{tokens} tokens; {why}",
                                   caps[name], weights[name]))
     return decisions
+
+
+@dataclass(frozen=True)
+class PlannedEdge:
+    """One edge asked in a round: its node, the decision about it, and the load report it was made from."""
+
+    node_id: int
+    decision: Decision
+    report: LoadReport | None
+
+
+def plan_round(node_ids: list[int], reports: Mapping[int, LoadReport], no_report: Mapping[int, str],
+               decisions: Mapping[str, Decision], known_names: Mapping[int, str]) -> list[PlannedEdge]:
+    """Every edge asked, in the order asked, with its decision: the balancer's for an edge that reported
+    (`decisions`, by name), a sit-out naming why for one that did not."""
+    out = []
+    for nid in node_ids:
+        if nid in no_report:
+            name = known_names.get(nid, f"node-{nid}")
+            out.append(PlannedEdge(nid, Decision(name, False, 0, 0.0, no_report[nid]), None))
+        else:
+            out.append(PlannedEdge(nid, decisions[reports[nid].name], reports[nid]))
+    return out
 
 
 def participants_wanted(available: int, fraction: float, min_nodes: int) -> int:

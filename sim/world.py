@@ -26,7 +26,7 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from collm.edge_client.engine.co_schedule import make_policy
 from collm.lab.bench import edge_policy, mode_roles
 from collm.router import fleet
 from collm.router.policy import Assumptions, RequestView, unattainable
-from collm.server.balancer import BALANCERS, BalancerParams
+from collm.server.balancer import BALANCERS, balancer_params
 from collm.server.config import BalancerConfig
 from collm.sim.config import SimConfig
 from collm.sim.edge import SimEdge, SimJob, SimRequest
@@ -137,8 +137,8 @@ class World:
         bc = BalancerConfig()
         f = cfg.federation
         self.balance = BALANCERS["slo" if mode == "collm" else "uniform"]
-        self.params = BalancerParams(bc.target_attainment, f.round_deadline_s, f.round_token_budget,
-                                     bc.min_edge_tokens, bc.spare_use, bc.fill_budget)
+        self.params = replace(balancer_params(bc), round_deadline_s=f.round_deadline_s,
+                              round_token_budget=f.round_token_budget)  # the sim's own federation budget
         self.idle_wait_s = bc.idle_wait_s
         self.round: RoundLog | None = None
         self._pending: set[int] = set()

@@ -9,7 +9,7 @@ from collm.common.protocol import LoadReport
 from collm.server.balancer import BALANCERS, BalancerParams, balance, capacity, uniform, water_fill
 
 P = BalancerParams(target_attainment=0.95, round_deadline_s=120.0, round_token_budget=20000,
-                   min_edge_tokens=256, spare_use=0.8)
+                   min_edge_tokens=256, spare_use=0.8, fill_budget=False)
 
 
 def edge(name, *, spare=0.9, attain=0.99, queue=0.0, n=100, gain=1.0, tps=100.0, rate=1.0):
@@ -43,7 +43,7 @@ def test_edge_below_slo_target_gets_no_training_when_the_gate_is_set():
 
 
 def test_without_the_gate_a_busy_edge_trains_in_its_spare_time():
-    ungated = BalancerParams(None, 120.0, 20000, 256, 0.8)
+    ungated = BalancerParams(None, 120.0, 20000, 256, 0.8, False)
     d = by_name(balance([edge("ok"), edge("slow", attain=0.5, spare=0.3)], ungated))
     assert d["slow"].take_part and d["slow"].budget_tokens == int(100 * 0.3 * 0.8 * 120)
 
@@ -65,14 +65,14 @@ def test_total_respects_round_budget():
 
 def test_unsaturated_edges_get_shares_proportional_to_weight():
     reports = [edge("a", n=100), edge("b", n=200), edge("c", n=300)]
-    params = BalancerParams(0.95, 120.0, 6000, 256, 0.8)   # caps (8640 each) do not bind
+    params = BalancerParams(0.95, 120.0, 6000, 256, 0.8, False)   # caps (8640 each) do not bind
     d = by_name(balance(reports, params))
     assert [d[k].budget_tokens for k in "abc"] == [1000, 2000, 3000]
 
 
 def test_leftovers_of_a_capped_edge_go_to_the_others():
     reports = [edge("capped", n=300, spare=0.05), edge("b", n=100), edge("c", n=300)]
-    params = BalancerParams(0.95, 120.0, 6000, 256, 0.8)
+    params = BalancerParams(0.95, 120.0, 6000, 256, 0.8, False)
     d = by_name(balance(reports, params))
     cap = 100 * 0.05 * 0.8 * 120                         # 480 < its proportional share 3600
     assert d["capped"].budget_tokens == int(cap)
@@ -83,7 +83,7 @@ def test_leftovers_of_a_capped_edge_go_to_the_others():
 
 def test_unknown_gain_uses_mean_of_known_gains():
     reports = [edge("lo", gain=1.0), edge("hi", gain=3.0), edge("new", gain=None)]
-    params = BalancerParams(0.95, 120.0, 6000, 256, 0.8)
+    params = BalancerParams(0.95, 120.0, 6000, 256, 0.8, False)
     d = by_name(balance(reports, params))
     assert d["new"].weight == pytest.approx(2.0 * 100)
     assert [d[k].budget_tokens for k in ("lo", "new", "hi")] == [1000, 2000, 3000]
@@ -91,14 +91,14 @@ def test_unknown_gain_uses_mean_of_known_gains():
 
 def test_all_gains_unknown_splits_by_examples():
     reports = [edge("a", gain=None, n=100), edge("b", gain=None, n=300)]
-    params = BalancerParams(0.95, 120.0, 4000, 256, 0.8)
+    params = BalancerParams(0.95, 120.0, 4000, 256, 0.8, False)
     d = by_name(balance(reports, params))
     assert (d["a"].budget_tokens, d["b"].budget_tokens) == (1000, 3000)
 
 
 def test_plateaued_edge_still_gets_something():
     reports = [edge("learning", gain=2.0), edge("flat", gain=0.0), edge("worse", gain=-0.5)]
-    params = BalancerParams(0.95, 120.0, 20000, 10, 0.8)
+    params = BalancerParams(0.95, 120.0, 20000, 10, 0.8, False)
     d = by_name(balance(reports, params))
     assert d["flat"].take_part and d["worse"].take_part
     assert 0 < d["flat"].budget_tokens < d["learning"].budget_tokens
@@ -106,7 +106,7 @@ def test_plateaued_edge_still_gets_something():
 
 def test_share_below_minimum_sits_out_and_tokens_are_redistributed():
     reports = [edge("big", n=1000), edge("small", n=5)]
-    params = BalancerParams(0.95, 120.0, 5000, 256, 0.8)   # small's share ≈ 25 tokens
+    params = BalancerParams(0.95, 120.0, 5000, 256, 0.8, False)   # small's share ≈ 25 tokens
     d = by_name(balance(reports, params))
     assert not d["small"].take_part and "< minimum 256" in d["small"].reason
     assert d["big"].budget_tokens == 5000
@@ -139,7 +139,7 @@ def test_uniform_baseline_ignores_load_and_slo():
     reports = [edge("a", rate=5.0, attain=0.5, spare=0.0, queue=9.0, gain=None),
                edge("b", rate=0.0, attain=None, spare=1.0, gain=None),
                edge("c", rate=0.0, attain=None, spare=1.0, gain=None, n=0)]
-    p = BalancerParams(0.95, 60.0, 9000, 256, 0.8)
+    p = BalancerParams(0.95, 60.0, 9000, 256, 0.8, False)
     d = {x.name: x for x in uniform(reports, p)}
     assert d["a"].take_part and d["a"].budget_tokens == d["b"].budget_tokens == 4500
     assert not d["c"].take_part

@@ -144,15 +144,15 @@ class FederatedEdge:
         update, extra = report.adapter_state, {}
         if P.CLIPPING_NORM in cfg:  # DP: the update leaves this edge clipped (collm.server.privacy)
             update, norm = clipped_update(update, state, float(cfg[P.CLIPPING_NORM]))
-            extra["update-norm"] = norm
+            extra[P.UPDATE_NORM] = norm
         metrics = MetricRecord({
             P.NUM_EXAMPLES: int(report.sequences),
-            "train-loss": _num(report.loss),
-            "train-tokens": int(report.tokens),
-            "train-steps": int(report.steps),
-            "deadline-hit": int(report.deadline_hit),
-            "seconds": float(report.seconds),
-            "carried-tokens": int(report.extra.get("carried_tokens", 0)),
+            P.TRAIN_LOSS: _num(report.loss),
+            P.TRAIN_TOKENS: int(report.tokens),
+            P.TRAIN_STEPS: int(report.steps),
+            P.DEADLINE_HIT: int(report.deadline_hit),
+            P.SECONDS: float(report.seconds),
+            P.CARRIED_TOKENS: int(report.extra.get("carried_tokens", 0)),
             **extra,
         })
         content = RecordDict({P.ARRAYS: to_arrays(update), P.METRICS: metrics,
@@ -164,9 +164,9 @@ class FederatedEdge:
         arrays = msg.content[P.ARRAYS]
         report, refused = self.evaluate_global(to_state(arrays) if len(arrays) else None, rnd)
         version = self.rt.engine.shadow.current_version
-        metrics = MetricRecord({P.NUM_EXAMPLES: int(report.sequences), "eval-loss": float(report.loss),
-                                "eval-accuracy": _num(report.accuracy), "adapter-version": float(version),
-                                "canary-refused": int(refused is not None)})
+        metrics = MetricRecord({P.NUM_EXAMPLES: int(report.sequences), P.EVAL_LOSS: float(report.loss),
+                                P.EVAL_ACCURACY: _num(report.accuracy), P.ADAPTER_VERSION: float(version),
+                                P.CANARY_REFUSED: int(refused is not None)})
         return Message(RecordDict({P.METRICS: metrics, P.IDENTITY: self._identity()}), reply_to=msg)
 
     def evaluate_global(self, state: dict | None, rnd: int):
