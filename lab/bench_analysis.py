@@ -1,4 +1,10 @@
-"""collm-bench's analysis of measured points, as pure functions over its result dicts (no processes).
+"""collm-bench's analysis of measured points, as pure functions over its result dicts (no processes):
+what collm-sim reads its own runs with too.
+
+* **Reading a sweep**: `search_capacity` (serve-only's capacity over any probe), `monotone_attainment`
+  and `max_sustained_rate` (a mode's points read with attainment fitted non-increasing in rate),
+  `window_span` (a point's window, for goodput).
+* **Drift**: `drift_rows`, serve-only's last pass against its first; `combine_passes`.
 
 * **Quality-weighted goodput** (QWG): one number for both halves of CoLLM's claim. Each request that
   met its SLOs counts the holdout-loss improvement over the base model of the adapter version that
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+from collm.common.errors import UserError
 from collm.common.stats import mean_ci, percentile, ratio_ci
 
 
@@ -129,3 +136,136 @@ def split_passes(values: list[float], sizes: list[int]) -> list[list[float]]:
         out.append(values[i:i + n])
         i += n
     return out
+
+
+# ----------------------------------------------------------------------------- reading a sweep
+def window_span(last_arrival_s: float, n: int) -> float:
+    """n arrivals from 0 to `last_arrival_s` span n / rate = last * n / (n - 1) seconds."""
+    return last_arrival_s * n / (n - 1) if n >= 2 else 1.0
+
+
+def search_capacity(probe, c) -> dict:
+    """Grow the rate from `c.start_rate` by `c.growth` until attainment falls below the target, then
+    bisect `c.refine` times; the capacity is where all probes, read as the load points are
+    (`max_sustained_rate`), cross the target. With `c.confirm` a probe that fails is replayed once at
+    the same rate and the rate judged on both: on a shared machine one slow minute can fail a probe
+    that the same arrivals pass the next minute, and the whole run's load points would then be set
+    too light. `probe(rate)` measures one rate and returns a point with `rate`, `slo_attainment` and
+    `requests` (collm-bench over HTTP, collm-sim)."""
+    probes: list[dict] = []
+    target = c.target_attainment
+
+    def passes(rate: float) -> bool:
+        here = [probe(rate)]
+        if here[0]["slo_attainment"] < target and c.confirm and len(probes) + 1 < c.max_probes:
+            here.append(probe(rate))  # the same arrivals again
+        probes.extend(here)
+        return monotone_attainment(here)[0][1] >= target
+
+    rate, passed, failed = c.start_rate, None, None  # the highest rate that passed, the lowest that failed
+    while len(probes) < c.max_probes:
+        if passes(rate):
+            passed = rate
+            if failed is not None:
+                break
+            rate *= c.growth
+        else:
+            failed = rate
+            if passed is not None:
+                break
+            rate /= c.growth
+    for _ in range(c.refine):
+        if passed is None or failed is None or len(probes) >= c.max_probes:
+            break
+        rate = math.sqrt(passed * failed)
+        if passes(rate):
+            passed = rate
+        else:
+            failed = rate
+    if passed is None:
+        raise UserError(f"serve-only missed {target:.0%} attainment even at {probes[-1]['rate']:.3g} "
+                        "req/s: lower capacity.start_rate or relax the SLOs (ttft_ms, tpot_ms)")
+    if failed is None:
+        rate = passed
+        note = "no probe failed: capacity is at least this (raise capacity.max_probes or start_rate)"
+    else:  # the bench's own reading of a sweep, over every probe (`max_sustained_rate`)
+        rate = max_sustained_rate(probes, target)
+        note = "where the probes' attainment, fitted non-increasing in rate, crosses the target"
+    return {"rate": rate, "note": note, "probes": probes, "target_attainment": target}
+
+
+def monotone_attainment(points: list[dict]) -> list[tuple[float, float]]:
+    """(rate, attainment) per distinct rate, ascending: points at one rate (a repeated probe) are one,
+    weighted by their requests; then fitted non-increasing by pool-adjacent-violators.
+    Attainment cannot rise with load, so a point below a later one is noise; pooling weighs the two
+    by their samples instead of trusting whichever comes first."""
+    by_rate: dict[float, list[float]] = {}
+    for p in points:
+        w = float(p.get("requests") or 1)
+        acc = by_rate.setdefault(p["rate"], [0.0, 0.0])
+        acc[0] += (p["slo_attainment"] or 0.0) * w
+        acc[1] += w
+    rates = sorted(by_rate)
+    blocks: list[list[float]] = []  # [weighted sum, weight, rates in block]
+    for r in rates:
+        blocks.append([*by_rate[r], 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
+            s, w, n = blocks.pop()
+            blocks[-1] = [blocks[-1][0] + s, blocks[-1][1] + w, blocks[-1][2] + n]
+    return list(zip(rates, [b[0] / b[1] for b in blocks for _ in range(b[2])]))
+
+
+def max_sustained_rate(points: list[dict], target: float) -> float:
+    """Highest rate at which the fitted attainment (`monotone_attainment`) is >= target, interpolated
+    between the last fitted pass and the first fitted fail (from (0, 1) below the first point)."""
+    pts = monotone_attainment(points)
+    best = 0.0
+    for (r0, a0), (r1, a1) in zip([(0.0, 1.0)] + pts, pts):
+        if a1 >= target:
+            best = r1
+            continue
+        if a0 >= target and a0 != a1:
+            best = r0 + (r1 - r0) * (a0 - target) / (a0 - a1)
+        break
+    return best
+
+
+# ----------------------------------------------------------------------------- drift and passes
+def drift_rows(first: list[dict], again: list[dict], resamples: int,
+               others: dict[str, list[dict]] | None = None) -> list[dict]:
+    """Serve-only measured twice, first and last, on the same arrivals: per point, the goodput ratio
+    again / first with its paired 95% interval. An interval away from 1 means the machine's speed
+    changed during the run, and every ratio between modes carries that much doubt. `others` (mode ->
+    its points) adds each mode's goodput against the second pass too (`vs_again`), paired over the
+    same requests, so a mode can be read against whichever serve-only pass ran on the faster machine."""
+    rows = []
+    for i, (a, b) in enumerate(zip(first, again)):
+        r, lo, hi = ratio_ci(b["slo_met"], a["slo_met"], resamples=resamples)
+        vs = {}
+        for mode, points in (others or {}).items():
+            vr, vlo, vhi = ratio_ci(points[i]["slo_met"], b["slo_met"], resamples=resamples)
+            vs[mode] = {"ratio": vr, "ci": [vlo, vhi]}
+        rows.append({"fraction": a["fraction"], "goodput_first": a["goodput_rps"], "goodput_again": b["goodput_rps"],
+                     "attainment_first": a["slo_attainment"], "attainment_again": b["slo_attainment"],
+                     "ratio": r, "ci": [lo, hi], "vs_again": vs})
+    return rows
+
+
+def combine_passes(results: dict, cfg) -> None:
+    """Each mode's passes as its result (`bench_analysis.pool_mode`; one pass: itself), and the drift check:
+    serve-only's last pass against its first (sequential: every other mode read against that last pass too)."""
+    passes = results["passes"]
+    for mode, rs in passes.items():
+        pooled = len(rs) > 1 and (cfg.order == "counterbalanced" or mode != "serve-only")
+        results["modes"][mode] = pool_mode(rs, cfg.bootstrap) if pooled else rs[0]
+    so = passes.get("serve-only", [])
+    if len(so) > 1:
+        others = ({m: r["points"] for m, r in results["modes"].items() if m != "serve-only"}
+                  if cfg.order == "sequential" else None)
+        results["drift"] = drift_rows(so[0]["points"], so[-1]["points"], cfg.bootstrap, others)
+    for mode, rs in passes.items():  # per-request lists live in the modes' points; the passes keep summaries
+        for r in rs:
+            if r is not results["modes"][mode]:
+                for p in r["points"]:
+                    for k in ("outcomes", "slo_met", "qw"):
+                        p.pop(k, None)

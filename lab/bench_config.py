@@ -153,3 +153,20 @@ class BenchConfig(Strict):
         if "isolated" in self.modes and self.replicas % 2:
             raise ValueError("replicas must be even when 'isolated' is a mode (half serve, half train)")
         return self
+
+
+def edge_policy(mode: str, collm_policy: str) -> str:
+    """The co-execution policy (`training.co_schedule`) of a mode's edges: collm's is the config's choice,
+    colocated-naive's the naive baseline; the others never train beside serving (the rule only sees idle time)."""
+    if mode == "colocated-naive":
+        return "naive"
+    return collm_policy if mode == "collm" else "work_conserving"
+
+
+def mode_roles(mode: str, n: int) -> list[str]:
+    """What each replica does in `mode`: serve+train, serve, or train."""
+    if mode == "isolated":
+        return ["serve"] * (n // 2) + ["train"] * (n // 2)
+    if mode == "serve-only":
+        return ["serve"] * n
+    return ["serve+train"] * n

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from collm.common.errors import cli_entry
 from collm.common.stats import mean_ci, ratio_ci
-from collm.lab.bench import max_sustained_rate, search_capacity, window_span
+from collm.lab.bench_analysis import max_sustained_rate, search_capacity, window_span
 from collm.lab.loadgen import Outcome, summarize
 from collm.sim.config import SimConfig
 from collm.sim.profile import load_profile

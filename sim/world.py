@@ -35,7 +35,7 @@ from collm.common.slo import SLO, meets_slo
 from collm.common.traces import TraceRequest
 from collm.edge_client.config import TrainingConfig
 from collm.edge_client.engine.co_schedule import make_policy
-from collm.lab.bench import edge_policy, mode_roles
+from collm.lab.bench_config import edge_policy, mode_roles
 from collm.router import fleet
 from collm.router.policy import Assumptions, RequestView, unattainable
 from collm.server.balancer import BALANCERS, balancer_params

@@ -7,7 +7,8 @@ import pytest
 from collm.common.errors import UserError
 from collm.common.stats import mean_ci, ratio_ci
 from collm.common.traces import TraceRequest, at_rate
-from collm.lab.bench import Workload, max_sustained_rate, monotone_attainment, window_of
+from collm.lab.bench import Workload, window_of
+from collm.lab.bench_analysis import max_sustained_rate, monotone_attainment
 from collm.lab.bench_config import BenchConfig
 from collm.lab.topology import prepare_out
 
@@ -82,7 +83,7 @@ def test_output_folders_are_never_wiped_by_accident(tmp_path):
 def test_capacity_search_reads_its_probes_as_the_load_points_are_read():
     """search_capacity grows, bisects, then takes the monotone crossing of all probes: exact on a
     linear curve, and a probe that failed below one that passed is pooled with it, not believed alone."""
-    from collm.lab.bench import search_capacity
+    from collm.lab.bench_analysis import search_capacity
     from collm.lab.bench_config import CapacityConfig
 
     c = CapacityConfig(start_rate=4, growth=1.5, refine=1, max_probes=6, target_attainment=0.9, confirm=False)
@@ -100,7 +101,7 @@ def test_capacity_search_reads_its_probes_as_the_load_points_are_read():
 def test_a_failed_capacity_probe_is_replayed_before_the_search_turns_back():
     """capacity.confirm: one unlucky probe (a slow minute) does not set the capacity: the same rate is
     probed again and judged on both together; a real failure fails twice and costs one probe more."""
-    from collm.lab.bench import search_capacity
+    from collm.lab.bench_analysis import search_capacity
     from collm.lab.bench_config import CapacityConfig
 
     c = CapacityConfig(start_rate=4, growth=1.5, refine=1, max_probes=8, target_attainment=0.9)
@@ -169,7 +170,7 @@ def test_counterbalanced_order_runs_every_mode_twice_mirrored():
 
 
 def test_pooled_passes_and_ratios_widened_to_each_passs_own():
-    from collm.lab.bench import combine_passes
+    from collm.lab.bench_analysis import combine_passes
     from collm.lab.bench_analysis import add_quality, widened_ratio
     from collm.lab.bench_report import write_report
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from collm.lab.bench import max_sustained_rate
+from collm.lab.bench_analysis import max_sustained_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
