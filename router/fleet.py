@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -231,18 +232,30 @@ class FleetTable:
                        outstanding=self.outstanding[idx].copy(), unused=now - self.last_sent[idx], **d)
 
 
+def choose_round_robin(c: Columns, x: RequestView, rng: random.Random, counter: int, a: Assumptions) -> Decision:
+    i = counter % len(c.names)
+    return Decision(c.names[i], _estimate(c, estimates(c, x, a), i), "round_robin")
+
+
+def choose_least_outstanding(c: Columns, x: RequestView, rng: random.Random, counter: int,
+                             a: Assumptions) -> Decision:
+    i = int(rng.choice(list(np.flatnonzero(c.outstanding == c.outstanding.min()))))
+    return Decision(c.names[i], _estimate(c, estimates(c, x, a), i), "least_outstanding")
+
+
+RULES: dict[str, Callable[[Columns, RequestView, random.Random, int, Assumptions], Decision]] = {
+    "slo": lambda c, x, rng, counter, a: choose_slo(c, x, rng, a),
+    "round_robin": choose_round_robin,
+    "least_outstanding": choose_least_outstanding,
+}  # `policy.RULES` over columns, one per `routing.policy`
+
+
 def choose(policy: str, c: Columns, x: RequestView, rng: random.Random, counter: int = 0,
            a: Assumptions = Assumptions()) -> Decision:
     """`policy.choose` over columns, estimate included for every policy (the router logs and learns
     from it): the router's one entry point."""
     if not c.names:
         raise ValueError("no edge to choose from")
-    if policy == "slo":
-        return choose_slo(c, x, rng, a)
-    if policy == "round_robin":
-        i, why = counter % len(c.names), "round_robin"
-    elif policy == "least_outstanding":
-        i, why = rng.choice(list(np.flatnonzero(c.outstanding == c.outstanding.min()))), "least_outstanding"
-    else:
+    if policy not in RULES:
         raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
-    return Decision(c.names[int(i)], _estimate(c, estimates(c, x, a), int(i)), why)
+    return RULES[policy](c, x, rng, counter, a)

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 POLICIES = ("slo", "round_robin", "least_outstanding")
@@ -226,15 +227,18 @@ def choose_least_outstanding(edges: list[EdgeView], rng: random.Random) -> Decis
     return Decision(pick.name, None, "least_outstanding")
 
 
+RULES: dict[str, Callable[[list[EdgeView], RequestView, random.Random, int, Assumptions], Decision]] = {
+    "slo": lambda edges, x, rng, counter, a: choose_slo(edges, x, rng, a),
+    "round_robin": lambda edges, x, rng, counter, a: choose_round_robin(edges, counter),
+    "least_outstanding": lambda edges, x, rng, counter, a: choose_least_outstanding(edges, rng),
+}  # one rule per `routing.policy` (POLICIES), in the same order
+
+
 def choose(policy: str, edges: list[EdgeView], x: RequestView, rng: random.Random, counter: int = 0,
            a: Assumptions = Assumptions()) -> Decision:
-    """Dispatch on the configured policy; `edges` are the routable ones, in config order."""
+    """The configured policy's rule (`RULES`); `edges` are the routable ones, in config order."""
     if not edges:
         raise ValueError("no edge to choose from")
-    if policy == "slo":
-        return choose_slo(edges, x, rng, a)
-    if policy == "round_robin":
-        return choose_round_robin(edges, counter)
-    if policy == "least_outstanding":
-        return choose_least_outstanding(edges, rng)
-    raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    if policy not in RULES:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    return RULES[policy](edges, x, rng, counter, a)
