@@ -55,6 +55,7 @@ import httpx
 import yaml
 from benchkit import table
 
+from collm.common import sse
 from collm.common.stats import percentile
 from collm.lab.topology import free_port
 
@@ -177,19 +178,18 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
                 out["error"] = (await r.aread()).decode(errors="replace")[:300]
                 return
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                ev = sse.data_of(line)
+                if ev is None:
                     continue
-                ev = json.loads(line[6:])
                 if "error" in ev:
                     out["error"] = ev["error"].get("message")
                     continue
-                ch = (ev.get("choices") or [{}])[0]
-                if first is None and (ch.get("text") or ch.get("finish_reason")):
+                if first is None and sse.is_first_token(ev):
                     first = time.perf_counter()
-                if ev.get("usage"):
-                    out["tokens"] = ev["usage"]["completion_tokens"]
-                if ch.get("finish_reason"):
-                    out["complete"] = ch["finish_reason"] in ("length", "stop")
+                if (n := sse.completion_tokens(ev)) is not None:
+                    out["tokens"] = n
+                if (reason := sse.finish_reason_of(ev)) is not None:
+                    out["complete"] = reason in ("length", "stop")
     except httpx.HTTPError as e:
         out["error"] = f"{type(e).__name__}: {e}"
     finally:

@@ -2,9 +2,9 @@
 
 Requests are sent at their scheduled times whether or not earlier ones have finished (open
 loop: a slow server does not slow the arrivals down). Each request streams, so the client
-itself measures time to first token (first content chunk) and time per output token:
+itself measures time to first token (`common.sse.is_first_token`) and time per output token:
 
-    TTFT = t(first content chunk) - t(send)        TPOT = (E2E - TTFT) / (output tokens - 1)
+    TTFT = t(first token chunk) - t(send)        TPOT = (E2E - TTFT) / (output tokens - 1)
 
 A request meets its SLO iff it completed (HTTP 200, finished normally), TTFT <= ttft_slo and
 TPOT <= tpot_slo. Goodput = SLO-meeting requests / duration of the arrival window; failed or
@@ -17,7 +17,6 @@ thread until stopped (collm-lab's load during the rounds). Both send each reques
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import threading
 import time
@@ -25,6 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
+
+from collm.common import sse
 
 from collm.common.slo import meets_slo, slo_miss
 from collm.common.stats import percentile
@@ -116,26 +117,22 @@ async def _one(client: httpx.AsyncClient, url: str, p: Planned, t0: float) -> Ou
                 await r.aread()
                 return out
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                chunk = sse.data_of(line)
+                if chunk is None:
                     continue
-                chunk = json.loads(line[6:])
                 if "error" in chunk:
                     out.status = "stream-error"
                     break
-                choice = (chunk.get("choices") or [{}])[0]
-                text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                if text and out.ttft_s is None:
+                if out.ttft_s is None and sse.is_first_token(chunk):
                     out.ttft_s = time.perf_counter() - sent
-                if choice.get("finish_reason"):
-                    out.finish_reason = choice["finish_reason"]
-                if chunk.get("usage"):
-                    out.output_tokens = chunk["usage"]["completion_tokens"]
+                if (reason := sse.finish_reason_of(chunk)) is not None:
+                    out.finish_reason = reason
+                if (n := sse.completion_tokens(chunk)) is not None:
+                    out.output_tokens = n
     except httpx.HTTPError as e:
         out.status = type(e).__name__
         return out
     out.e2e_s = time.perf_counter() - sent
-    if out.ttft_s is None and out.finish_reason:  # finished without any text (e.g. immediate EOS)
-        out.ttft_s = out.e2e_s
     if out.ttft_s is not None and out.output_tokens > 1:
         out.tpot_s = (out.e2e_s - out.ttft_s) / (out.output_tokens - 1)
     return out

@@ -50,6 +50,7 @@ from prometheus_client.core import GaugeMetricFamily
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from collm.common import sse
 from collm.common.auth import Keys, install
 from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
 
@@ -137,23 +138,17 @@ class _SSEWatch:
         self.buf += chunk
         while b"\n\n" in self.buf:
             ev, self.buf = self.buf.split(b"\n\n", 1)
-            if not ev.startswith(b"data: ") or ev == b"data: [DONE]":
-                continue
-            if self.first_token_s is None or b'"usage"' in ev:
-                self._parse(ev[6:])
+            if self.first_token_s is None or b'"usage"' in ev:  # parse only what can still tell something
+                self._parse(ev.decode("utf-8", errors="replace"))
 
-    def _parse(self, payload: bytes) -> None:
-        try:
-            obj = json.loads(payload)
-            choice = (obj.get("choices") or [{}])[0]
-        except (ValueError, AttributeError, TypeError):
+    def _parse(self, event: str) -> None:
+        obj = sse.data_of(event)
+        if obj is None:
             return
-        if self.first_token_s is None and (choice.get("text") or (choice.get("delta") or {}).get("content")
-                                           or choice.get("finish_reason")):
+        if self.first_token_s is None and sse.is_first_token(obj):
             self.first_token_s = time.perf_counter() - self.t0
-        usage = obj.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self.completion_tokens = usage["completion_tokens"]
+        if (n := sse.completion_tokens(obj)) is not None:
+            self.completion_tokens = n
 
 
 # ============================================================================ metrics
