@@ -31,15 +31,6 @@ def peft_key(module_path: str, which: str) -> str:
     return f"{PREFIX}{module_path}.lora_{which}.weight"
 
 
-def module_path_of(key: str) -> tuple[str, str]:
-    """Inverse of `peft_key`: (module path, "A" | "B")."""
-    if not key.startswith(PREFIX) or not key.endswith(".weight") or ".lora_" not in key:
-        raise ValueError(f"not a PEFT LoRA key: {key}")
-    body = key[len(PREFIX): -len(".weight")]
-    path, which = body.rsplit(".lora_", 1)
-    return path, which
-
-
 def adapter_config_dict(lora: LoraConfig, base_model_name: str) -> dict:
     """The adapter_config.json that PEFT writes for an equivalent `peft.LoraConfig`."""
     return {

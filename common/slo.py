@@ -32,9 +32,6 @@ class SLO:
 
         return SLO(pick(ttft_ms, self.ttft_s), pick(tpot_ms, self.tpot_s))
 
-    def met_by(self, completed: bool, ttft_s: float | None, tpot_s: float | None) -> bool:
-        return meets_slo(completed, ttft_s, tpot_s, self.ttft_s, self.tpot_s)
-
 
 def slo_miss(completed: bool, ttft_s: float | None, tpot_s: float | None, ttft_slo_s: float,
              tpot_slo_s: float) -> str | None:

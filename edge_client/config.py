@@ -80,9 +80,9 @@ class EngineConfig(Strict):
 
     max_running: int = Field(16, ge=1, description="requests decoding at once")
     max_queue: int = Field(256, ge=0, description="requests waiting for admission; more get 429")
-    shed_late: bool = Field(True, description="refuse (429) a request that waited past its TTFT target before it got "
-                            "a slot, and new ones while the queue's oldest has: served late they only push the "
-                            "requests behind them past their targets too")
+    shed_late: bool = Field(True, description="refuse (429, 'expired') a waiting request once its wait plus the "
+                            "prefill queued ahead of it and its own is past its TTFT target: served late it only "
+                            "pushes the requests behind it past their targets too")
     kv_cache_mb: float = Field(256.0, gt=0, description="KV memory reserved for running requests")
     step_token_budget: int = Field(256, ge=16, description="tokens per forward step (prefill chunking)")
     max_context: int | None = Field(None, ge=16, description="prompt + output limit; default: model's")

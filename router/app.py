@@ -3,8 +3,9 @@
     request -> router: estimate TTFT/TPOT on every healthy edge -> the edge with the most slack
             -> edge scheduler -> model + pinned adapter -> response, streamed back chunk by chunk
 
-The rule is in `router_policy` (its docstring has the formula); what the router knows about each
-edge (health, last /metrics scrape, its own in-flight counts) is in `router_state`.
+The rule is in `router/policy.py` (its docstring has the formula) and runs as `router/fleet.py`'s
+columnar form over the `FleetTable` the polls fill in; what the router knows about each edge
+(health, last /metrics scrape, its own in-flight counts) is in `router/state.py`.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (bodies go to the edge unchanged, streams
 are relayed as they arrive), GET /v1/models (from one healthy edge), GET /health (503 when no edge

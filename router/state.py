@@ -1,7 +1,9 @@
 """What the router knows about each edge: health, the last scrape of its /metrics, its own counts.
 
-The router polls every edge's `/health` and `/metrics` (names in `collm.common.metric_names`);
-`EdgeState.view()` turns the live state into the plain `EdgeView` the routing rule takes.
+The router polls every edge's `/health` and `/metrics` (names in `collm.common.metric_names`) and
+mirrors each scrape into the router's `fleet.FleetTable`, whose columns the routing rule reads;
+`EdgeState.view()` gives one edge as the plain `EdgeView` of `policy.py`'s readable rule (tests, the
+decisions benchmark).
 
 Health: an edge starts out (unknown), comes in after `healthy_after` good polls in a row, and
 goes out after `unhealthy_after` failed polls in a row, or at once when a request cannot connect

@@ -9,9 +9,9 @@ from helpers import prompt, tiny_engine
 
 from collm.common.errors import UserError
 from collm.edge_client.config import FeedbackConfig
-from collm.edge_client.engine.co_schedule import (BusyWindow, Naive, RequestOutcome, RequestSlack, ServingLoad,
-                                                  SlackController, SlackFeedback, WorkConserving, allowance,
-                                                  make_policy)
+from collm.edge_client.engine.co_schedule import (BusyWindow, Naive, RequestSlack, ServingLoad, SlackFeedback,
+                                                  WorkConserving, allowance, make_policy)
+from collm.edge_client.engine.controller import RequestOutcome, SlackController
 from collm.edge_client.engine.cost_model import FixedCosts
 from collm.edge_client.engine.requests import FinishEvent, TokenEvent
 from collm.edge_client.model.lora import TrainingBinding, bind

@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from collm.edge_client.engine.co_schedule import CoSchedule, RequestOutcome, RequestSlack, ServingLoad, Verdict
+from collm.edge_client.engine.co_schedule import CoSchedule, RequestSlack, ServingLoad, Verdict
+from collm.edge_client.engine.controller import RequestOutcome
 from collm.edge_client.engine.planner import StepShape, next_step_shape, plan_step, prefill_time, step_shape, too_late
 
 

@@ -13,6 +13,7 @@ import json
 import math
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from collm.edge_client.serve.openai_schema import (AdminEvaluate, AdminPublish, 
 from collm.edge_client.runtime import EdgeRuntime
 from collm.edge_client.model.sampling import SamplingParams
 from collm.edge_client.training.jobs import TrainBudget
+
+MAX_ADMIN_JOBS = 256  # finished admin jobs /admin/jobs remembers (running ones are always kept)
 
 
 
@@ -163,7 +166,14 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
         return rt.adapters_view()
 
     # ------------------------------------------------------------------ admin (api.admin: true)
-    jobs: dict[str, object] = {}
+    jobs: OrderedDict[str, object] = OrderedDict()  # admin jobs by id, the last MAX_ADMIN_JOBS
+
+    def remember(jid: str, fut) -> None:
+        """Keep a job's future for /admin/jobs; the oldest finished ones go past MAX_ADMIN_JOBS (the table
+        must not grow with every call)."""
+        jobs[jid] = fut
+        for old in [k for k, f in jobs.items() if f.done()][: max(0, len(jobs) - MAX_ADMIN_JOBS)]:
+            del jobs[old]
 
     def admin():
         if not rt.cfg.api.admin:
@@ -178,7 +188,7 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
         except (EngineError, ValueError) as e:
             raise ApiError(400, str(e)) from None
         jid = f"train-{uuid.uuid4().hex[:8]}"
-        jobs[jid] = fut
+        remember(jid, fut)
         return {"job": jid}
 
     @app.post("/admin/evaluate", status_code=202)
@@ -189,7 +199,7 @@ def create_app(rt: EdgeRuntime) -> FastAPI:
         except EngineError as e:
             raise ApiError(400, str(e), param="version") from None
         jid = f"eval-{uuid.uuid4().hex[:8]}"
-        jobs[jid] = fut
+        remember(jid, fut)
         return {"job": jid}
 
     @app.get("/admin/jobs/{jid}")
