@@ -46,16 +46,15 @@ import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from collm.common import sse
 from collm.common.auth import Keys, install
 from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
 
 from collm.router.config import RouterConfig
+from collm.router.metrics import RouterMetrics
+from collm.router.requests import SSEWatch, request_view
 from collm.router.fleet import FleetTable, choose
 from collm.router.policy import Assumptions, Decision, Estimate, RequestView, unattainable
 from collm.router.state import EdgeState, scrape_from_metrics
@@ -68,130 +67,11 @@ BEST_EFFORT_HEADER = "X-CoLLM-Best-Effort"  # "1"/"true": route even when no edg
 PASSED_HEADERS = ("content-type", VERSION_HEADER.lower(), EDGE_HEADER.lower(), "retry-after", "cache-control")
 FORWARDED_HEADERS = ("content-type", "accept", "authorization")
 
-# Prometheus names the router exports
-ROUTED = "collm_router_routed_total"
-RESPONSES = "collm_router_responses_total"
-RETRIES = "collm_router_retries_total"
-FAILURES = "collm_router_edge_failures_total"
-NO_EDGE = "collm_router_no_healthy_edge_total"
-REFUSED = "collm_router_refused_total"
-TTFT_ESTIMATED = "collm_router_ttft_estimated_seconds"
-TTFT_OBSERVED = "collm_router_ttft_observed_seconds"
-EDGE_HEALTHY = "collm_router_edge_healthy"
-EDGE_OUTSTANDING = "collm_router_edge_outstanding"
-EDGE_SLACK = "collm_router_edge_last_slack"
-HEALTHY_EDGES = "collm_router_healthy_edges"
-BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
 def _describe(e: Exception) -> str:
     text = str(e) or type(e).__name__
     return f"{type(e).__name__}: {text}" if text != type(e).__name__ else text
-
-
-# ============================================================================ what a request asks for
-def request_view(body: object, chat: bool, cfg: RouterConfig, typical_output: float) -> tuple[RequestView, bool]:
-    """(the rule's view of the request, whether it asks for a stream); never raises on odd bodies."""
-    if not isinstance(body, dict):
-        return RequestView(1, int(typical_output), best_effort=True), False
-    r = cfg.routing
-    if chat:
-        msgs = body.get("messages") if isinstance(body.get("messages"), list) else []
-        chars, extra = 0, 0
-        for m in msgs:
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, list):
-                c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-            chars += len(c.encode("utf-8", "surrogatepass")) if isinstance(c, str) else 0
-            extra += 8  # role markers of the chat template
-        prompt_tokens = math.ceil(chars / r.chars_per_token) + extra
-    else:
-        p = body.get("prompt")
-        p = p[0] if isinstance(p, list) and p and isinstance(p[0], str) else p
-        prompt_tokens = (math.ceil(len(p.encode("utf-8", "surrogatepass")) / r.chars_per_token)
-                         if isinstance(p, str) else 1)
-    m = body.get("max_tokens") or body.get("max_completion_tokens")
-    max_tokens = m if isinstance(m, int) and m > 0 else int(typical_output)
-    slo = body.get("slo") if isinstance(body.get("slo"), dict) else {}
-
-    def target(key: str) -> float | None:  # a bad value is the edge's to reject (400); the rule ignores it
-        v = slo.get(key)
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-        return v / 1000 if ok else None
-
-    view = RequestView(max(1, prompt_tokens), max_tokens, target("ttft_ms"), target("tpot_ms"),
-                       body.get("best_effort") is True)
-    return view, body.get("stream") is True
-
-
-class _SSEWatch:
-    """Reads the events of a relayed stream on the side: first-token time, token count, boundaries."""
-
-    def __init__(self, t0: float):
-        self.t0 = t0
-        self.buf = b""
-        self.first_token_s: float | None = None
-        self.completion_tokens: int | None = None
-        self.at_boundary = True
-
-    def feed(self, chunk: bytes) -> None:
-        self.at_boundary = chunk.endswith(b"\n\n")
-        self.buf += chunk
-        while b"\n\n" in self.buf:
-            ev, self.buf = self.buf.split(b"\n\n", 1)
-            if self.first_token_s is None or b'"usage"' in ev:  # parse only what can still tell something
-                self._parse(ev.decode("utf-8", errors="replace"))
-
-    def _parse(self, event: str) -> None:
-        obj = sse.data_of(event)
-        if obj is None:
-            return
-        if self.first_token_s is None and sse.is_first_token(obj):
-            self.first_token_s = time.perf_counter() - self.t0
-        if (n := sse.completion_tokens(obj)) is not None:
-            self.completion_tokens = n
-
-
-# ============================================================================ metrics
-class RouterMetrics:
-    def __init__(self, router: Router):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.routed = Counter(ROUTED, "Requests sent to each edge (a retry counts again)", ["edge"], registry=r)
-        self.responses = Counter(RESPONSES, "Responses relayed, by edge and outcome", ["edge", "outcome"], registry=r)
-        self.retries = Counter(RETRIES, "Requests retried on another edge, by reason", ["reason"], registry=r)
-        self.failures = Counter(FAILURES, "Edge failures seen by the router", ["edge", "kind"], registry=r)
-        self.no_edge = Counter(NO_EDGE, "Requests answered 503 because no edge was healthy", registry=r)
-        self.refused = Counter(REFUSED, "Requests answered 429 because no edge could meet their TTFT target",
-                               registry=r)
-        self.ttft_est = Histogram(TTFT_ESTIMATED, "TTFT the rule estimated for the chosen edge (s)", ["edge"],
-                                  registry=r, buckets=BUCKETS)
-        self.ttft_obs = Histogram(TTFT_OBSERVED, "TTFT observed: router to first token event for streams, the "
-                                                 "edge's own ttft_s otherwise (s)", ["edge"], registry=r,
-                                  buckets=BUCKETS)
-        r.register(_EdgeGauges(router))
-        for e in router.edges:  # every edge shows up from the start, at zero
-            self.routed.labels(e.name)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-
-class _EdgeGauges:
-    def __init__(self, router: Router):
-        self.router = router
-
-    def collect(self):
-        healthy = GaugeMetricFamily(EDGE_HEALTHY, "1 while the edge is routed to", labels=["edge"])
-        outstanding = GaugeMetricFamily(EDGE_OUTSTANDING, "Requests in flight from this router", labels=["edge"])
-        slack = GaugeMetricFamily(EDGE_SLACK, "Normalised SLO slack estimated at the last pick", labels=["edge"])
-        for e in self.router.edges:
-            healthy.add_metric([e.name], float(e.healthy))
-            outstanding.add_metric([e.name], float(e.outstanding))
-            slack.add_metric([e.name], float("nan") if e.last_slack is None else e.last_slack)
-        total = GaugeMetricFamily(HEALTHY_EDGES, "Edges being routed to")
-        total.add_metric([], float(self.router.healthy_count()))
-        yield from (healthy, outstanding, slack, total)
 
 
 # ============================================================================ the router
@@ -516,7 +396,7 @@ class Router:
     async def _relay(self, edge: EdgeState, est: Estimate, chunks: AsyncIterator[bytes], first: bytes, t0: float,
                      close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
         """Pass the edge's stream through as it arrives; a break becomes an SSE error event."""
-        watch = _SSEWatch(t0)
+        watch = SSEWatch(t0)
         outcome = "stream_cancelled"
         try:
             watch.feed(first)
