@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from collm.common.protocol import EVAL_KEYS, TRAIN_KEYS
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,5 +64,8 @@ def test_balancer_decisions_and_losses_are_in_the_round_metrics(lab):
         assert set(m["eval"]) == {"edge0", "edge1"}
         assert all(isinstance(v["eval-loss"], float) for v in m["eval"].values())
         assert m["refused_by"] == [] and all(v["canary-refused"] == 0 for v in m["eval"].values())
+        # the real edges' replies carry every key the protocol names (common/protocol.py), as the server reads them
+        assert all(set(TRAIN_KEYS) <= set(v) for v in m["train"].values()) and m["train"]
+        assert all(set(EVAL_KEYS) <= set(v) for v in m["eval"].values())
     assert "holdout eval loss per edge" in lab[0].stdout
 
