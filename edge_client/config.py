@@ -203,6 +203,14 @@ class TrainingConfig(Strict):
     eval_batch_size: int = Field(4, ge=1)
     max_eval_records: int | None = Field(64, ge=1, description="cap on holdout records per evaluation")
 
+    @model_validator(mode="after")
+    def _check(self) -> TrainingConfig:
+        if self.busy_share > 0 and self.co_schedule != "work_conserving":
+            raise ValueError(f"training.busy_share ({self.busy_share:g}) is a setting of co_schedule: work_conserving; "
+                             f"co_schedule is {self.co_schedule} (slo_feedback sets the share itself: "
+                             "training.feedback)")
+        return self
+
 
 class ApiConfig(Strict):
     host: str = "127.0.0.1"

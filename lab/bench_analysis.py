@@ -106,10 +106,12 @@ def pool_points(points: list[dict], resamples: int) -> dict:
     return pooled
 
 
-def pool_mode(passes: list[dict], resamples: int) -> dict:
-    """A mode run in several passes as one result: pooled points, and each pass's rounds and served loss."""
+def pool_mode(passes: list[dict], resamples: int, target_attainment: float) -> dict:
+    """A mode run in several passes as one result: pooled points and the max rate read from them, the
+    passes' mean rounds and end loss (each pass starts from the base model), and each pass's own."""
     r = dict(passes[0])
     r["points"] = [pool_points(list(ps), resamples) for ps in zip(*(p["points"] for p in passes))]
+    r["max_rate"] = max_sustained_rate(r["points"], target_attainment)
     r["rounds_completed"] = sum(p["rounds_completed"] for p in passes) / len(passes)
     r["final_loss"] = sum(p["final_loss"] for p in passes) / len(passes)
     r["passes"] = [{k: p.get(k) for k in ("rounds_completed", "final_loss", "served_loss", "wall_s", "startup_s",
@@ -257,7 +259,7 @@ def combine_passes(results: dict, cfg) -> None:
     passes = results["passes"]
     for mode, rs in passes.items():
         pooled = len(rs) > 1 and (cfg.order == "counterbalanced" or mode != "serve-only")
-        results["modes"][mode] = pool_mode(rs, cfg.bootstrap) if pooled else rs[0]
+        results["modes"][mode] = pool_mode(rs, cfg.bootstrap, cfg.capacity.target_attainment) if pooled else rs[0]
     so = passes.get("serve-only", [])
     if len(so) > 1:
         others = ({m: r["points"] for m, r in results["modes"].items() if m != "serve-only"}

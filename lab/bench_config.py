@@ -150,6 +150,9 @@ class BenchConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> BenchConfig:
+        if self.busy_share > 0 and self.co_schedule != "work_conserving":
+            raise ValueError(f"busy_share ({self.busy_share:g}) is a setting of co_schedule: work_conserving (collm's "
+                             f"co_schedule is {self.co_schedule}, which sets the share itself)")
         if "isolated" in self.modes and self.replicas % 2:
             raise ValueError("replicas must be even when 'isolated' is a mode (half serve, half train)")
         return self

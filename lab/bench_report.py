@@ -295,10 +295,16 @@ def _markdown(results: dict, paths: dict) -> str:
     lines += ["", "## Per mode", "", f"| mode | max rate ≥ {cap['target_attainment']:.0%} (req/s) | × capacity | "
               "rounds | served loss start → end | startup (s) |", "|---|---|---|---|---|---|"]
     for m, r in modes.items():
-        lines.append(f"| {m} | {r['max_rate']:.3f} | {r['max_rate'] / cap['rate']:.2f} | {r['rounds_completed']} | "
-                     f"{r['served_loss'][0]['loss']:.4f} → {r['final_loss']:.4f} | {r['startup_s']} |")
+        runs = r.get("passes") or [r]  # pooled passes: each pass's own rounds and end loss
+        rounds = " / ".join(f"{x['rounds_completed']:g}" for x in runs)
+        ends = " / ".join(f"{x['final_loss']:.4f}" for x in runs)
+        startup = " / ".join(f"{x['startup_s']}" for x in runs)
+        lines.append(f"| {m} | {r['max_rate']:.3f} | {r['max_rate'] / cap['rate']:.2f} | {rounds} | "
+                     f"{r['served_loss'][0]['loss']:.4f} → {ends} | {startup} |")
     lines += ["", "Max rate: where a mode's attainment over the load points, fitted non-increasing in load "
-              "(adjacent points pooled by their requests where a lighter point did worse), crosses the target."]
+              "(adjacent points pooled by their requests where a lighter point did worse), crosses the target. "
+              "With passes, rounds and end loss are given per pass (a / b); the max rate is read from the pooled "
+              "points."]
     lines += ["", f"![goodput]({paths['goodput_png'].name})", f"![attainment]({paths['attainment_png'].name})",
               f"![training]({paths['training_png'].name})", f"![training against goodput]({paths['tradeoff_png'].name})",
               f"![served loss]({paths['loss_png'].name})", ""]

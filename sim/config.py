@@ -113,6 +113,9 @@ class SimConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
+        if self.busy_share > 0 and self.co_schedule != "work_conserving":
+            raise ValueError(f"busy_share ({self.busy_share:g}) is a setting of co_schedule: work_conserving (collm's "
+                             f"co_schedule is {self.co_schedule}, which sets the share itself)")
         if "isolated" in self.modes and self.edges % 2:
             raise ValueError("edges must be even when 'isolated' is a mode (half serve, half train)")
         return self

@@ -5,9 +5,11 @@ shed and admit, plan the step (the same Segment objects), pick the background jo
 ask the co-execution policy whether its next unit may run. SimEdge only keeps the clock: a step
 takes the profile's time, a unit its share of a measured micro-batch.
 
-Two fast-forwards keep 1,000 edges cheap, both exact under the shipped rule: (1) while only
-decodes run, nothing waits, and the policy refuses background work for a reason that cannot change
-until something arrives (`STABLE_REFUSALS`), k decode steps (up to the next finish) are one event;
+Two fast-forwards keep 1,000 edges cheap, both exact: (1) while only decodes run, nothing waits, and
+the policy refuses background work for a reason that cannot change until something arrives
+(`STABLE_REFUSALS`: a fixed share of 0, or no background job at all; the controller's refusals can
+change with time, so under `slo_feedback` an edge with a job steps one step at a time), k decode
+steps (up to the next finish) are one event;
 an arrival cuts the run at the step boundary after it, where the engine would take it. (2) An idle
 replica's background work (verdict "idle") runs unit after unit as one event until the job's
 budget or deadline; an arrival cuts it at the next unit boundary (the unit in flight finishes;
@@ -109,7 +111,7 @@ class SimJob:
     def make_carry(self) -> SimJob:
         return SimJob("train", self.profile, max(1, round(self.budget_tokens * self.carry_rounds)))
 
-    def finish(self, deadline_hit: bool = False) -> None:
+    def finish(self, deadline_hit: bool = False, now: float | None = None) -> None:
         if not self.ended:
             self.ended = True
             if self.on_done is not None:

@@ -266,6 +266,8 @@ def test_a_controller_setting_out_of_range_is_a_one_line_error_naming_it():
         tiny_config(training={"feedback": {"slack_low": 0.4, "slack_high": 0.3}})
     with pytest.raises(UserError, match="f_max"):
         tiny_config(training={"feedback": {"f_max": 1.5}})
+    with pytest.raises(UserError, match="busy_share .* work_conserving"):  # a fixed share the controller would ignore
+        tiny_config(training={"busy_share": 0.3})
     assert isinstance(make_policy(tiny_config().training), SlackFeedback)  # the default
 
 

@@ -21,7 +21,6 @@ def test_open_loop_replay_measures_latencies_and_goodput(tmp_path):
         normal = [o for o in out if not o.tag]
         assert normal and all(o.completed and o.output_tokens == 8 and o.slo_met for o in normal)
         assert all(0 < o.ttft_s <= o.e2e_s and o.tpot_s > 0 for o in normal)
-        assert all(o.slo_met == (o.ttft_s <= 30.0 and o.tpot_s <= 5.0) for o in out if o.completed and not o.tag)
         assert all(o.adapter_version == 0 for o in normal)
         imp = next(o for o in out if o.tag == "impossible")
         rej = next(o for o in out if o.tag == "rejected")

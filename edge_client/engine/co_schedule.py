@@ -178,6 +178,7 @@ class WorkConserving(CoSchedule):
         self.bucket_max_s = bucket_max_s
         self.bucket = 0.0
         self._accrued_at: float | None = None
+        self._rate = 0.0
 
     def observe_step(self, end: float, seconds: float) -> None:
         self.window.record(end, seconds)
@@ -192,10 +193,11 @@ class WorkConserving(CoSchedule):
 
     @property
     def share(self) -> float:
-        return self.busy_share
+        """The fill rate at the last verdict: what the rule granted beside serving then."""
+        return self._rate
 
     def _accrue(self, load: ServingLoad) -> None:
-        rate = self.fill_rate(load)
+        rate = self._rate = self.fill_rate(load)
         if self._accrued_at is not None:
             dt = max(0.0, load.now - self._accrued_at)
             self.bucket = min(self.bucket_max_s, self.bucket + dt * rate)

@@ -15,7 +15,10 @@ The loop (`Engine._loop`) is the algorithm, in order; every decision in it is th
 
 Other threads talk to the engine through `submit`, `cancel`, `train`, `evaluate`, `end_jobs` and
 `snapshot`; adapters are published through `engine.shadow`. Only the loop thread runs the model and
-touches the core; `clock` (perf_counter) is every decision's time.
+makes decisions; other threads hand requests and jobs over under the engine's lock (`_incoming`,
+`_new_jobs`) and only read the core's queues (`load`, the queue-full test), which the loop changes
+under that lock, except for removing a request that ends; `clock` (perf_counter) is every
+decision's time.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from collm.common.data import format_example
 from collm.common.slo import SLO
 from collm.edge_client.config import EdgeConfig
-from collm.edge_client.engine.co_schedule import ServingLoad, make_policy
+from collm.edge_client.engine.co_schedule import make_policy
 from collm.edge_client.engine.cost_model import CostModels, step_features
 from collm.edge_client.engine.planner import StepShape
 from collm.edge_client.engine.replica import ReplicaCore
@@ -464,13 +467,6 @@ class Engine:
         core.carry = None
 
     # ================================================================= background work
-    def _serving_load(self, now: float) -> ServingLoad:
-        """The plain-data view of serving the co-execution rule decides from (with the requests other
-        threads have submitted since the pass began)."""
-        with self._lock:
-            arriving = list(self._incoming)
-        return self.core.serving_load(now, arriving)
-
     def _run_background(self) -> bool:
         """Run background work the rule admits: in idle time one unit (the loop then looks for arrivals);
         beside decodes, unit after unit while the rule admits each (the gap before the next serving step);

@@ -21,7 +21,7 @@ long things take, and computes the steps and units the core plans. A loop pass, 
 Requests are objects with the engine `Request`'s fields (arrival, prompt_ids, prefilled, out_ids,
 slot, adapter, first_token_at, cancelled, slo, prefill_left, decoding). Jobs have `kind`, `started`,
 `carry_after`, `start(now)`, `done()`, `past_deadline(now)`, `absorb(carry)`, `make_carry()` and
-`finish(deadline_hit)` (`training.jobs.BackgroundJob`, `sim.edge.SimJob`).
+`finish(deadline_hit, now)` (`training.jobs.BackgroundJob`, `sim.edge.SimJob`).
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ class ReplicaCore:
         for it leaves a carry, which the next round's job absorbs."""
         if self.job is job:
             self.job = None
-        job.finish(deadline_hit)
+        job.finish(deadline_hit, now)
         self._note("end-job", now, job.kind, deadline_hit)
         if self.on_job_end is not None:
             self.on_job_end(job, deadline_hit)

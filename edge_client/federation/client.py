@@ -136,7 +136,8 @@ class FederatedEdge:
             self.rounds_trained += 1
             self.last_round = rnd
             self._tokens_by_round[rnd] = report.tokens
-            self.budget_fill = min(1.0, report.tokens / tokens)
+            own = report.tokens - int(report.extra.get("carried_tokens", 0))  # this round's, not the carry's
+            self.budget_fill = min(1.0, max(own, 0) / tokens)
             self.last_train = {"round": rnd, **report.as_dict()}
         log.info("edge %s: round %d: trained %d steps, %d tokens, loss %s, %.1f s%s", self.rt.cfg.name, rnd,
                  report.steps, report.tokens, None if report.loss is None else round(report.loss, 4),

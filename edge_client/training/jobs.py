@@ -105,10 +105,11 @@ class BackgroundJob:
     def done(self) -> bool:
         raise NotImplementedError
 
-    def finish(self, deadline_hit: bool = False) -> JobReport:
+    def finish(self, deadline_hit: bool = False, now: float | None = None) -> JobReport:
+        """Resolve the job's future with its report (`now`: the clock the job was started on)."""
         self.report.deadline_hit = deadline_hit
         if self.started_at is not None:
-            self.report.seconds = time.perf_counter() - self.started_at
+            self.report.seconds = (time.perf_counter() if now is None else now) - self.started_at
         if not self.future.done():
             self.future.set_result(self.report)
         return self.report

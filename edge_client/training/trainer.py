@@ -252,10 +252,10 @@ class TrainJob(PassJob):
         b, r = self.budget, self.report
         return (b.steps is not None and r.steps >= b.steps) or (b.tokens is not None and r.tokens >= b.tokens)
 
-    def finish(self, deadline_hit: bool = False) -> JobReport:
+    def finish(self, deadline_hit: bool = False, now: float | None = None) -> JobReport:
         self._pass = None  # a micro-batch cut short (past the deadline's grace, or at shutdown) teaches nothing
         if self._acc_seqs:  # use the gradients of the micro-batches that completed
             self._optimizer_step()
         self.report.extra["lr"] = self.t.optimizer.param_groups[0]["lr"]
         self.report.adapter_state = self.t.adapter.state_dict_peft()  # taken on the engine thread: the update
-        return super().finish(deadline_hit)
+        return super().finish(deadline_hit, now)
