@@ -229,6 +229,21 @@ def test_in_flight_requests_count_by_their_latency_so_far():
     assert c.action == "cut-miss"
 
 
+def test_a_queue_neither_dilutes_the_tpot_percentile_nor_fills_the_bucket():
+    c = SlackController(FeedbackConfig(min_requests=2, queue_cut=1.0))
+    c.f = 0.3
+    t = feed(c, 0.0, 5, tpot=0.39)  # TPOT at 97% of its target
+    queued = [RequestSlack(arrival=t - 0.1, first_token_at=None, tokens_out=0, ttft_slo=3.0, tpot_slo=0.4,
+                           prefill_left=50)] * 60  # 60 requests before their first token have no TPOT yet
+    c.update(decode_load(t + 1.0, queued))
+    assert c.action == "down"  # counted as TPOT 0 they would have made the p90 0 and the slack 1
+    p = SlackFeedback(FeedbackConfig(min_requests=1))
+    p.controller.f = 0.8
+    for i in range(50):
+        p.verdict(load(now=10.0 + 0.1 * i, running=1, waiting=2), unit_s=0.01)
+    assert p.bucket == 0.0  # a queue earns training no time beside serving
+
+
 def test_the_loop_settles_inside_the_dead_band_on_a_plant_and_never_misses():
     """TPOT = 0.1 s x (1 + 4 f) (a decode step stretched by the training beside it): the band [0.2, 0.3] of
     slack against 0.4 s is f in [0.45, 0.55]; AIMD gets there from 0 and stays, every request within target."""

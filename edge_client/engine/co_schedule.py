@@ -248,6 +248,8 @@ class SlackFeedback(WorkConserving):
     def fill_rate(self, load: ServingLoad) -> float:
         if self.controller.update(load, self.window.rho(load.now)):
             self.bucket = 0.0
+        if load.waiting or load.prefill_left:
+            return 0.0  # as the fixed share (rho = 1 while anything waits): a queue earns training no time
         return self.controller.f
 
     def busy_time_off(self) -> bool:

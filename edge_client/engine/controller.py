@@ -59,7 +59,7 @@ class SlackController:
         self.f = 0.0
         self.slack: float | None = None  # the last measured slack (None: no evidence)
         self.action = "start"            # what the last period did: up | down | hold | cut | stale | ...
-        self._ended: deque[tuple[float, float, float]] = deque(maxlen=self.p.window_requests)
+        self._ended: deque[tuple[float, float, float | None]] = deque(maxlen=self.p.window_requests)
         self._tick_at: float | None = None
         self._hold_until = -math.inf
         self._fresh_at: float | None = None
@@ -69,27 +69,29 @@ class SlackController:
 
     def observe(self, end: float, o: RequestOutcome) -> None:
         if o.shed:
-            self._ended.append((end, SHED_RATIO, 0.0))
+            self._ended.append((end, SHED_RATIO, None))
             self._cut_pending = True  # a request shed as late: serving is short of time now
             return
         if o.ttft_s is None:
             return  # cancelled or failed: says nothing about latency
-        self._ended.append((end, o.ttft_s / o.ttft_slo, (o.tpot_s or 0.0) / o.tpot_slo))
+        tpot = o.tpot_s / o.tpot_slo if o.tpot_s else None  # a one-token answer has no TPOT
+        self._ended.append((end, o.ttft_s / o.ttft_slo, tpot))
 
     def note_refusal(self, reason: str) -> None:
         """A unit refused while only decodes ran, and which constraint refused it."""
         self._refused += 1
         self._bucket_refused += reason == "bucket"
 
-    def ratios(self, load: ServingLoad) -> list[tuple[float, float]]:
+    def ratios(self, load: ServingLoad) -> list[tuple[float, float | None]]:
         """(TTFT / target, TPOT / target) of the fresh finished requests and the ones in flight (their
         latencies so far: a request still before its first token by its wait, a decoding one by the
-        time since its first token per token out)."""
+        time since its first token per token out); TPOT None where there is none yet (before the first
+        token, a one-token answer, a shed request): a queue must not dilute the TPOT percentile."""
         now = load.now
         out = [(a, b) for t, a, b in self._ended if now - t <= self.p.window_s]
         for r in load.requests:
             if r.first_token_at is None:
-                out.append(((now - r.arrival) / r.ttft_slo, 0.0))
+                out.append(((now - r.arrival) / r.ttft_slo, None))
             else:
                 out.append(((r.first_token_at - r.arrival) / r.ttft_slo,
                             (now - r.first_token_at) / max(r.tokens_out, 1) / r.tpot_slo))
@@ -126,7 +128,8 @@ class SlackController:
             return False
         self._fresh_at = now
         ratios = self.ratios(load)
-        worst = max(percentile([a for a, _ in ratios], p.quantile), percentile([b for _, b in ratios], p.quantile))
+        tpots = [b for _, b in ratios if b is not None]
+        worst = max(percentile([a for a, _ in ratios], p.quantile), percentile(tpots, p.quantile) if tpots else 0.0)
         self.slack = s = 1.0 - worst
         if s < 0:
             return self._cut(now, "cut-miss")
