@@ -57,13 +57,18 @@ class HealthConfig(Strict):
 class RoutingConfig(Strict):
     """The routing rule (`collm.router.policy`) and what it assumes about the edges."""
 
-    policy: Literal["slo", "round_robin", "least_outstanding"] = "slo"
+    policy: Literal["slo", "slo_pack", "round_robin", "least_outstanding"] = "slo"
     tie_margin: float = Field(0.05, ge=0, le=1, description="edges within this normalised slack of the best are "
                                                              "near-ties, broken by power of two choices")
     comfort: float = Field(0.5, ge=0, le=1, description="edges whose slack is at least this are all near-ties "
                                                         "(the SLOs are met with room to spare)")
     probe_after_s: float = Field(5.0, gt=0, description="an idle edge left out this long gets the next request "
                                                          "(refreshes a stale cost estimate)")
+    pack_slack: float = Field(0.6, ge=0, le=1, description="slo_pack policy: near-ties with at least this much "
+                              "slack ...")
+    pack_spare: float = Field(0.3, ge=0, le=1, description="... and at least this spare capacity (the fraction of "
+                              "their window not spent serving) go to the edge with the most requests, so the others "
+                              "train in idle time")
     retry_429: bool = Field(True, description="retry a 429 (edge queue full) once on another edge")
     admission: bool = Field(True, description="slo policy: answer 429 when no edge's estimated TTFT meets the "
                             "request's target, unless it asks for best effort")

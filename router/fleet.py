@@ -122,7 +122,8 @@ def _estimate(c: Columns, e: dict[str, np.ndarray], i: int) -> Estimate:
                     float(e["P"][i]))
 
 
-def choose_slo(c: Columns, x: RequestView, rng: random.Random, a: Assumptions = Assumptions()) -> Decision:
+def choose_slo(c: Columns, x: RequestView, rng: random.Random, a: Assumptions = Assumptions(),
+               pack: bool = False) -> Decision:
     """`policy.choose_slo` over columns: the same decision, and the same draws from `rng`."""
     if not c.names:
         raise ValueError("no edge to choose from")
@@ -141,6 +142,11 @@ def choose_slo(c: Columns, x: RequestView, rng: random.Random, a: Assumptions = 
     if len(near) == 1:
         i = int(near[0])
         return Decision(c.names[i], _estimate(c, e, i), "best", soonest)
+    roomy = near[(slack[near] >= a.pack_slack) & (c.spare[near] >= a.pack_spare)] if pack else near[:0]
+    if len(roomy):  # the most requests, then the least training, then the first (policy.choose_slo)
+        order = np.lexsort((np.arange(len(roomy)), c.share[roomy], -e["n"][roomy]))
+        i = int(roomy[order[0]])
+        return Decision(c.names[i], _estimate(c, e, i), f"pack among {len(roomy)}", soonest)
     i, j = rng.sample(range(len(near)), 2)
     one, two = int(near[i]), int(near[j])
     key = lambda r: (c.outstanding[r], e["n"][r], c.share[r])  # noqa: E731
@@ -245,6 +251,7 @@ def choose_least_outstanding(c: Columns, x: RequestView, rng: random.Random, cou
 
 RULES: dict[str, Callable[[Columns, RequestView, random.Random, int, Assumptions], Decision]] = {
     "slo": lambda c, x, rng, counter, a: choose_slo(c, x, rng, a),
+    "slo_pack": lambda c, x, rng, counter, a: choose_slo(c, x, rng, a, pack=True),
     "round_robin": choose_round_robin,
     "least_outstanding": choose_least_outstanding,
 }  # `policy.RULES` over columns, one per `routing.policy`

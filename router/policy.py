@@ -76,7 +76,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-POLICIES = ("slo", "round_robin", "least_outstanding")
+POLICIES = ("slo", "slo_pack", "round_robin", "least_outstanding")
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,8 @@ class Assumptions:
     typical_output_tokens: float = 64.0  # L
     tie_margin: float = 0.05
     comfort: float = 0.5
+    pack_slack: float = 0.6   # slo_pack: gather requests only on edges with at least this slack ...
+    pack_spare: float = 0.3   # ... and at least this spare capacity (not serving) over their window
     probe_after_s: float = float("inf")
 
 
@@ -194,8 +196,13 @@ def estimate(e: EdgeView, x: RequestView, a: Assumptions = Assumptions()) -> Est
 
 
 def choose_slo(edges: list[EdgeView], x: RequestView, rng: random.Random,
-               a: Assumptions = Assumptions()) -> Decision:
-    """The `slo` policy: most normalised SLO slack, near-ties by power of two choices."""
+               a: Assumptions = Assumptions(), pack: bool = False) -> Decision:
+    """The `slo` policy: most normalised SLO slack, near-ties by power of two choices. `pack` (the
+    `slo_pack` policy): near-ties with at least `pack_slack` slack and `pack_spare` spare capacity go
+    to the one with the most requests instead (then the one that trains less, then the first), so a
+    light load gathers on few edges and the others train in idle time, where a unit costs serving
+    nothing (and a busier edge batches its decodes better); once no near edge has that much room the
+    load spreads by power of two choices again."""
     if not edges:
         raise ValueError("no edge to choose from")
     ests = {e.name: estimate(e, x, a) for e in edges}
@@ -211,6 +218,10 @@ def choose_slo(edges: list[EdgeView], x: RequestView, rng: random.Random,
         return Decision(pick.name, ests[pick.name], "probe", soonest)
     if len(near) == 1:
         return Decision(near[0].name, ests[near[0].name], "best", soonest)
+    roomy = [e for e in near if slack[e.name] >= a.pack_slack and e.spare_capacity >= a.pack_spare] if pack else []
+    if roomy:
+        pick = max(roomy, key=lambda e: (ests[e.name].load, -e.training_share))  # the first of equals
+        return Decision(pick.name, ests[pick.name], f"pack among {len(roomy)}", soonest)
     i, j = rng.sample(range(len(near)), 2)
     one, two = near[i], near[j]
     pick = min((one, two), key=lambda e: (e.outstanding, ests[e.name].load, e.training_share))
@@ -229,6 +240,7 @@ def choose_least_outstanding(edges: list[EdgeView], rng: random.Random) -> Decis
 
 RULES: dict[str, Callable[[list[EdgeView], RequestView, random.Random, int, Assumptions], Decision]] = {
     "slo": lambda edges, x, rng, counter, a: choose_slo(edges, x, rng, a),
+    "slo_pack": lambda edges, x, rng, counter, a: choose_slo(edges, x, rng, a, pack=True),
     "round_robin": lambda edges, x, rng, counter, a: choose_round_robin(edges, counter),
     "least_outstanding": lambda edges, x, rng, counter, a: choose_least_outstanding(edges, rng),
 }  # one rule per `routing.policy` (POLICIES), in the same order

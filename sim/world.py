@@ -213,7 +213,7 @@ class World:
         c = self._columns(now, self.counter % self.shards)
         d = fleet.choose(self.policy, c, x, self.rng, self.counter // self.shards, self.assumptions)
         self.counter += 1
-        if self.policy == "slo" and cfg.router.admission and unattainable(d, cfg.router.admission_margin):
+        if cfg.router.admission and unattainable(d, cfg.router.admission_margin):  # the slo rules estimate; others do not
             self._record(r, -1, "refused", None, None)
             return
         k = self._row[d.edge]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -43,12 +44,15 @@ def test_columnar_slo_rule_decides_as_the_reference_rule(n_edges):
         a = Assumptions(probe_after_s=rng.choice([float("inf"), 5.0]), comfort=rng.choice([0.5, 2.0]),
                         typical_output_tokens=rng.choice([16.0, 64.0]))
         seed = rng.random()
-        ref = policy.choose_slo(views, x, random.Random(seed), a)
-        got = fleet.choose_slo(fleet.columns_from_views(views), x, random.Random(seed), a)
+        pack = trial % 2 == 1  # the slo_pack variant on every other snapshot, at random thresholds
+        if pack:
+            a = replace(a, pack_slack=rng.choice([0.0, 0.3, 0.6]), pack_spare=rng.choice([0.0, 0.3, 0.6]))
+        ref = policy.choose_slo(views, x, random.Random(seed), a, pack)
+        got = fleet.choose_slo(fleet.columns_from_views(views), x, random.Random(seed), a, pack)
         assert got == ref, (trial, views, x)  # same edge, same estimate to the bit, same reason, same soonest
         kinds.add(ref.why.split(" ")[0])
     if n_edges > 2:
-        assert kinds == {"best", "p2c", "probe"}  # the snapshots reach every branch of the rule
+        assert kinds == {"best", "p2c", "probe", "pack"}  # the snapshots reach every branch of the rule
 
 
 def test_columnar_baselines_decide_as_the_reference():

@@ -231,3 +231,16 @@ def test_among_equally_loaded_edges_the_one_that_trains_less_gets_the_request():
     assert {choose("slo", [trains, rests], X, random.Random(k)).edge for k in range(20)} == {"rests"}
     busy = replace(rests, outstanding=1)
     assert {choose("slo", [trains, busy], X, random.Random(k)).edge for k in range(20)} == {"trains"}
+
+
+def test_slo_pack_gathers_a_light_load_on_one_edge_and_spreads_once_it_lacks_room():
+    """slo_pack: among edges with room (slack >= pack_slack, spare >= pack_spare) the one already serving
+    gets the next request, so the other trains in idle time; `slo` spreads them by power of two choices."""
+    serving, empty = idle("serving", running=1, spare_capacity=0.7), idle("empty", spare_capacity=1.0)
+    packed = Counter(choose("slo_pack", [serving, empty], X, random.Random(s)).edge for s in range(50))
+    spread = Counter(choose("slo", [serving, empty], X, random.Random(s)).edge for s in range(50))
+    assert packed == {"serving": 50}
+    assert spread["empty"] == 50  # fewer requests in flight wins the p2c tie-break
+    full = replace(serving, spare_capacity=0.2)  # serving 80% of its time: no room to gather more
+    assert Counter(choose("slo_pack", [full, empty], X, random.Random(s)).edge for s in range(50)) == {"empty": 50}
+    assert choose("slo_pack", [serving, empty], X, random.Random(0)).why == "pack among 2"
