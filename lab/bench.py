@@ -51,7 +51,7 @@ from collm.common.procs import BIN_DIR
 from collm.common.stats import mean_ci
 from collm.common.traces import TraceRequest
 from collm.lab.bench_analysis import add_quality, combine_passes, max_sustained_rate, search_capacity, window_span
-from collm.lab.bench_config import BenchConfig, edge_policy, mode_roles
+from collm.lab.bench_config import BenchConfig, edge_policy, is_collm, mode_roles, router_policy
 from collm.lab.loadgen import Outcome, Planned, replay, summarize
 from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
                                 prepare_out, replica_cores, wait_http, write_config)
@@ -132,7 +132,7 @@ class ModeRun:
         for i, role in enumerate(self.roles):
             cores = replica_cores(i, cfg.replicas)
             training = {"co_schedule": edge_policy(mode, cfg.co_schedule),
-                        "busy_share": cfg.busy_share if mode == "collm" else 0.0,
+                        "busy_share": cfg.busy_share if is_collm(mode) else 0.0,
                         "max_eval_records": cfg.federation.eval_records}
             name = f"{role.replace('+', '-')}{i}"
             self.edges.append(edge_config(
@@ -167,7 +167,7 @@ class ModeRun:
         router_port = free_port()
         rcfg = {"api": {"host": "127.0.0.1", "port": router_port},
                 "edges": [{"name": e.name, "url": self.urls[e.name]} for e in serving],
-                "routing": {"policy": self.cfg.collm_routing if self.mode == "collm" else "round_robin"}}
+                "routing": {"policy": router_policy(self.mode, self.cfg.collm_routing)}}
         (self.out / "router.yaml").write_text(yaml.safe_dump(rcfg))
         g.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(self.out / "router.yaml")])
         self.router = f"http://127.0.0.1:{router_port}"
@@ -189,7 +189,7 @@ class ModeRun:
                        "round_timeout_s": 4 * f.round_deadline_s + 120, "query_timeout_s": 60,
                        "base_model_name": self.base_model, "lora": trainers[0].lora.model_dump()})
         server["balancer"].update({"round_deadline_s": f.round_deadline_s, "round_token_budget": f.round_token_budget,
-                                   "lr": f.lr, "mode": "slo" if self.mode == "collm" else "uniform"})
+                                   "lr": f.lr, "mode": "slo" if is_collm(self.mode) else "uniform"})
         (self.out / "server.yaml").write_text(yaml.safe_dump(server))
         self.group.spawn("server", [str(BIN_DIR / "collm-server"), "--insecure", "--superlink", self.superlink,
                                     "-c", f'config="{self.out / "server.yaml"}"'], nice=COORDINATOR_NICE)

@@ -10,7 +10,7 @@ from collm.common.config import Strict
 from collm.common.errors import UserError
 from collm.common.traces import TraceRequest, TraceScaling, bursts, load_trace, trace_segment
 
-MODES = ("collm", "isolated", "colocated-naive", "serve-only")
+MODES = ("collm", "isolated", "colocated-naive", "serve-only", "collm-pack")
 
 
 class BurstConfig(Strict):
@@ -113,7 +113,7 @@ class BenchConfig(Strict):
     model: Literal["tiny", "bundled"] = "tiny"
     replicas: int = Field(2, ge=2, description="edge processes in every mode (isolated: half serve, half train); "
                                                "each is pinned to its own share of the cores")
-    modes: list[Literal["collm", "isolated", "colocated-naive", "serve-only"]] = Field(
+    modes: list[Literal["collm", "isolated", "colocated-naive", "serve-only", "collm-pack"]] = Field(
         default_factory=lambda: list(MODES), min_length=1,
         description="modes to compare; serve-only always runs first (it measures the capacity and is every "
                     "ratio's baseline) and is always reported")
@@ -158,12 +158,25 @@ class BenchConfig(Strict):
         return self
 
 
+def is_collm(mode: str) -> bool:
+    """collm, or a variant of it run beside it for an A/B (collm-pack: routed by slo_pack)."""
+    return mode.startswith("collm")
+
+
+def router_policy(mode: str, collm_routing: str) -> str:
+    """The router's policy in a mode: collm's is the config's (collm-pack's slo_pack); the others route
+    round robin (one serving replica, or replicas that all look alike)."""
+    if mode == "collm-pack":
+        return "slo_pack"
+    return collm_routing if mode == "collm" else "round_robin"
+
+
 def edge_policy(mode: str, collm_policy: str) -> str:
     """The co-execution policy (`training.co_schedule`) of a mode's edges: collm's is the config's choice,
     colocated-naive's the naive baseline; the others never train beside serving (the rule only sees idle time)."""
     if mode == "colocated-naive":
         return "naive"
-    return collm_policy if mode == "collm" else "work_conserving"
+    return collm_policy if is_collm(mode) else "work_conserving"
 
 
 def mode_roles(mode: str, n: int) -> list[str]:

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from collm.lab.bench_analysis import split_passes, widened_ratio
 
-RATIOS = (("collm", "isolated"), ("collm", "colocated-naive"), ("collm", "serve-only"))
-COLORS = {"collm": "#2b7bba", "isolated": "#d95f02", "colocated-naive": "#7570b3", "serve-only": "#66a61e"}
+RATIOS = (("collm", "isolated"), ("collm", "colocated-naive"), ("collm", "serve-only"), ("collm-pack", "collm"),
+          ("collm-pack", "isolated"), ("collm-pack", "serve-only"))  # those whose modes ran
+COLORS = {"collm": "#2b7bba", "isolated": "#d95f02", "colocated-naive": "#7570b3", "serve-only": "#66a61e",
+          "collm-pack": "#1b9e77"}
 
 
 def _fmt(v, nd=3) -> str:

@@ -82,7 +82,7 @@ class SweepConfig(Strict):
 class SimConfig(Strict):
     edges: int = Field(2, ge=1, description="edges of the single run (isolated: half serve, half train)")
     devices: list[DeviceClass] = Field(default_factory=lambda: [DeviceClass()], min_length=1)
-    modes: list[Literal["collm", "isolated", "colocated-naive", "serve-only"]] = Field(
+    modes: list[Literal["collm", "isolated", "colocated-naive", "serve-only", "collm-pack"]] = Field(
         default_factory=lambda: list(MODES), min_length=1)
     ttft_ms: float = Field(3000.0, gt=0)
     tpot_ms: float = Field(400.0, gt=0)

@@ -35,7 +35,7 @@ from collm.common.slo import SLO, meets_slo
 from collm.common.traces import TraceRequest
 from collm.edge_client.config import TrainingConfig
 from collm.edge_client.engine.co_schedule import make_policy
-from collm.lab.bench_config import edge_policy, mode_roles
+from collm.lab.bench_config import edge_policy, is_collm, mode_roles, router_policy
 from collm.router import fleet
 from collm.router.policy import Assumptions, RequestView, unattainable
 from collm.server.balancer import BALANCERS, balancer_params
@@ -104,7 +104,7 @@ class World:
         edge_seeds = ss.spawn(n + 1)
         self.rng = random.Random(int(edge_seeds[-1].generate_state(1)[0]))  # the router's p2c sampler
         tc = TrainingConfig(co_schedule=edge_policy(mode, cfg.co_schedule),
-                            busy_share=cfg.busy_share if mode == "collm" else 0.0, feedback=cfg.feedback)
+                            busy_share=cfg.busy_share if is_collm(mode) else 0.0, feedback=cfg.feedback)
         self.slo = SLO.from_ms(cfg.ttft_ms, cfg.tpot_ms)
         self.carry_rounds = tc.carry_budget_rounds
         self.edges = [SimEdge(i, f"{role.replace('+', '-')}{i}", p, role, make_policy(tc), self,
@@ -117,7 +117,7 @@ class World:
             e.slowdown = slow
         self.serving = [e for e in self.edges if e.serves]
         self.trainers = [e for e in self.edges if e.trains]
-        self.policy = cfg.collm_routing if mode == "collm" else "round_robin"
+        self.policy = router_policy(mode, cfg.collm_routing)
         self.counter = 0
         r = cfg.router
         self.assumptions = Assumptions(slo_safety=cfg.slo_safety)
@@ -136,7 +136,7 @@ class World:
         self._history: deque[tuple] = deque()  # (time, busy, train, beside, finished, met) per tick
         bc = BalancerConfig()
         f = cfg.federation
-        self.balance = BALANCERS["slo" if mode == "collm" else "uniform"]
+        self.balance = BALANCERS["slo" if is_collm(mode) else "uniform"]
         self.params = replace(balancer_params(bc), round_deadline_s=f.round_deadline_s,
                               round_token_budget=f.round_token_budget)  # the sim's own federation budget
         self.idle_wait_s = bc.idle_wait_s
