@@ -10,7 +10,9 @@ from collm.common.config import Strict
 from collm.common.errors import UserError
 from collm.common.traces import TraceRequest, TraceScaling, bursts, load_trace, trace_segment
 
-MODES = ("collm", "isolated", "colocated-naive", "serve-only", "collm-pack")
+MODES = ("collm", "isolated", "colocated-naive", "serve-only")
+"""The modes a bench runs unless its config names others."""
+Mode = Literal["collm", "isolated", "colocated-naive", "serve-only", "collm-pack"]
 
 
 class BurstConfig(Strict):
@@ -113,9 +115,9 @@ class BenchConfig(Strict):
     model: Literal["tiny", "bundled"] = "tiny"
     replicas: int = Field(2, ge=2, description="edge processes in every mode (isolated: half serve, half train); "
                                                "each is pinned to its own share of the cores")
-    modes: list[Literal["collm", "isolated", "colocated-naive", "serve-only", "collm-pack"]] = Field(
+    modes: list[Mode] = Field(
         default_factory=lambda: list(MODES), min_length=1,
-        description="modes to compare; serve-only always runs first (it measures the capacity and is every "
+        description="modes to compare (collm-pack only when named); serve-only always runs first (it measures the capacity and is every "
                     "ratio's baseline) and is always reported")
     warmup_s: float = Field(5.0, ge=0, description="run each topology this long before its first point")
     ttft_ms: float = Field(1000.0, gt=0, allow_inf_nan=False)

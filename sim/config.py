@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from collm.common.config import Strict
 from collm.edge_client.config import FeedbackConfig
-from collm.lab.bench_config import MODES, CapacityConfig, FederationBudget, LoadConfig, TraceConfig
+from collm.lab.bench_config import MODES, CapacityConfig, Mode, FederationBudget, LoadConfig, TraceConfig
 
 
 class DeviceClass(Strict):
@@ -82,8 +82,7 @@ class SweepConfig(Strict):
 class SimConfig(Strict):
     edges: int = Field(2, ge=1, description="edges of the single run (isolated: half serve, half train)")
     devices: list[DeviceClass] = Field(default_factory=lambda: [DeviceClass()], min_length=1)
-    modes: list[Literal["collm", "isolated", "colocated-naive", "serve-only", "collm-pack"]] = Field(
-        default_factory=lambda: list(MODES), min_length=1)
+    modes: list[Mode] = Field(default_factory=lambda: list(MODES), min_length=1)
     ttft_ms: float = Field(3000.0, gt=0)
     tpot_ms: float = Field(400.0, gt=0)
     slo_safety: float = Field(0.8, gt=0, le=1)

@@ -428,7 +428,7 @@ def test_cli_config_errors_are_one_line(tmp_path):
     assert lines == [
         f"error: {bad}: edges.0.url: expected an http:// or https:// URL such as http://127.0.0.1:8081, "
         "got 'localhost:1'",
-        f"error: {bad}: routing.policy: expected 'slo', 'round_robin' or 'least_outstanding', got 'fastest'"]
+        f"error: {bad}: routing.policy: expected 'slo', 'slo_pack', 'round_robin' or 'least_outstanding', got 'fastest'"]
     p = subprocess.run([sys.executable, "-m", "collm.router.cli", "--config", "configs/router.yaml", "--check"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "policy: slo" in p.stdout and "http://127.0.0.1:8083" in p.stdout
