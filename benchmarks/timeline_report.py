@@ -78,35 +78,60 @@ class ReplicaTimeline:
         return out
 
 
-def load_mode(results: dict, out: Path, mode: str) -> tuple[list[dict], dict] | None:
-    """The mode's load points and its replicas' timelines (by edge name), or None if it did not run."""
+def mode_folder(mode: str, k: int) -> str:
+    """Where collm-bench wrote pass k (0-based) of a mode: `mode`, then `mode-pass2`, ..."""
+    return mode if k == 0 else f"{mode}-pass{k + 1}"
+
+
+def pass_points(point: dict) -> list[dict]:
+    """A reported load point as its passes' points: a pooled point holds its passes' requests one pass
+    after another (the same arrivals each time) and each pass's start in `per_pass`."""
+    per = point.get("per_pass")
+    if not per:
+        return [point]
+    n = len(point["outcomes"]) // len(per)
+    return [{"fraction": point["fraction"], "started_at": q["started_at"],
+             "outcomes": point["outcomes"][k * n:(k + 1) * n], "slo_met": point["slo_met"][k * n:(k + 1) * n]}
+            for k, q in enumerate(per)]
+
+
+def load_mode(results: dict, out: Path, mode: str) -> list[tuple[list[dict], dict]]:
+    """Each pass's load points and its replicas' timelines (by edge name); [] if the mode did not run or
+    wrote no timelines. A counterbalanced run's passes each have their own folder."""
     run = results["modes"].get(mode)
     if run is None:
-        return None
-    timelines = {p.stem.removeprefix("timeline-"): ReplicaTimeline(read_timeline(p))
-                 for p in sorted((out / mode).glob("timeline-*.jsonl"))}
-    return run["points"], timelines
+        return []
+    by_pass = list(zip(*(pass_points(p) for p in run["points"])))
+    loaded = []
+    for k, points in enumerate(by_pass):
+        folder = out / mode_folder(mode, k)
+        timelines = {p.stem.removeprefix("timeline-"): ReplicaTimeline(read_timeline(p))
+                     for p in sorted(folder.glob("timeline-*.jsonl"))}
+        if timelines:
+            loaded.append((list(points), timelines))
+    return loaded
 
 
-def point_rows(points: list[dict], timelines: dict) -> list[dict]:
+def point_rows(loaded: list[tuple[list[dict], dict]]) -> list[dict]:
+    """Per load point and met/missed: the shares of the requests' lifetimes, pooled over the passes."""
+    groups: dict[tuple[float, str], list[dict]] = {}
+    for points, timelines in loaded:
+        for p in points:
+            for o, met in zip(p["outcomes"], p["slo_met"]):
+                tl = timelines.get(o["edge"] or "")
+                if tl is None or o["ttft_s"] is None:
+                    continue
+                t0 = p["started_at"] + o["at"]
+                life = o["ttft_s"] + (o["tpot_s"] or 0.0) * max(0, (o["tokens"] or 1) - 1)
+                groups.setdefault((p["fraction"], "met" if met else "missed"), []).append(
+                    tl.split(t0, t0 + life) | {"life": life})
     rows = []
-    for p in points:
-        groups: dict[str, list[dict]] = {"met": [], "missed": []}
-        for o, met in zip(p["outcomes"], p["slo_met"]):
-            tl = timelines.get(o["edge"] or "")
-            if tl is None or o["ttft_s"] is None:
-                continue
-            t0 = p["started_at"] + o["at"]
-            life = o["ttft_s"] + (o["tpot_s"] or 0.0) * max(0, (o["tokens"] or 1) - 1)
-            groups["met" if met else "missed"].append(tl.split(t0, t0 + life) | {"life": life})
-        for name, g in groups.items():
-            if not g:
-                continue
-            life = sum(x["life"] for x in g)
-            slow = [x["slowdown"] for x in g if x["slowdown"]]
-            rows.append({"fraction": p["fraction"], "group": name, "n": len(g),
-                         **{k: sum(x[k] for x in g) / life for k in KINDS},
-                         "life_s": life / len(g), "slowdown": statistics.median(slow) if slow else None})
+    for (fraction, name), g in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        life = sum(x["life"] for x in g)
+        slow = [x["slowdown"] for x in g if x["slowdown"]]
+        rows.append({"fraction": fraction, "group": name, "n": len(g),
+                     **{k: sum(x[k] for x in g) / life for k in KINDS},
+                     "life_s": life / len(g), "slowdown": statistics.median(slow) if slow else None})
     return rows
 
 
@@ -126,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--modes: {unknown} not in this run; it has {sorted(results['modes'])}")
     for mode in modes:
         loaded = load_mode(results, out, mode)
-        if loaded is None or not loaded[1]:
+        if not loaded:
             print(f"{mode}: no timelines under {out / mode}")
             continue
-        rows = point_rows(*loaded)
+        rows = point_rows(loaded)
         print(f"\n{mode}: share of the requests' lifetimes their replica spent in ...")
         print(table(["load", "requests", "n", "serving steps", "training units", "eval units", "neither",
                      "mean life s", "step slowdown"],

@@ -127,16 +127,20 @@ def test_every_replica_writes_a_timeline_that_accounts_for_its_requests(bench):
     from timeline_report import KINDS, load_mode, point_rows
 
     for mode, r in results["modes"].items():
-        points, timelines = load_mode(results, out, mode)
+        loaded = load_mode(results, out, mode)
+        assert len(loaded) == 1, mode  # a sequential run: one pass of every mode it reports
+        points, timelines = loaded[0]
         assert set(timelines) == set(r["roles"]), mode  # the edges' names
-        rows = point_rows(points, timelines)
+        rows = point_rows(loaded)
         served = sum(1 for p in points for o in p["outcomes"] if o["ttft_s"] is not None)
         assert sum(row["n"] for row in rows) == served, mode
         for row in rows:  # every served request overlaps its own prefill and decode steps on its replica
             assert 0 < row["step"] <= 1 and all(row[k] >= 0 for k in KINDS), (mode, row)
             if mode == "serve-only":
                 assert row["train"] == row["eval"] == 0, row
+
     def train_units(mode):
-        return sum(1 for tl in load_mode(results, out, mode)[1].values() for *_, kind, _ in tl.spans if kind == "train")
+        return sum(1 for _, tls in load_mode(results, out, mode) for tl in tls.values()
+                   for *_, kind, _ in tl.spans if kind == "train")
 
     assert train_units("collm") > 0 and train_units("isolated") > 0 and train_units("serve-only") == 0
