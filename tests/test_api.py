@@ -340,6 +340,8 @@ def test_admin_endpoints(tmp_path):
         r = post(e, "/admin/adapters", {"path": str(bad_weights)})
         assert r.status_code == 400 and "safetensors" in r.json()["error"]["message"]
         assert post(e, "/admin/train", {}).json()["error"]["message"].endswith("give steps or tokens")
+        r = post(e, "/admin/evaluate", {"version": 7})  # the engine's own refusal, named by the field
+        assert r.status_code == 400 and r.json()["error"]["param"] == "version", r.text
 
         view = post(e, "/admin/rollback", {"version": 0}).json()  # the undo: serve a retained version again
         assert view["serving_version"] == 0 and view["source"] == "rollback" and view["latest_version"] == 1

@@ -1,0 +1,108 @@
+"""The edge's admin endpoints (`api.admin: true`): train and evaluate jobs, publish an adapter, roll back."""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+from fastapi import APIRouter
+
+from collm.common.adapter_io import check_compatible, load_adapter
+from collm.common.errors import UserError
+from collm.edge_client.engine import EngineError
+from collm.edge_client.model.shadow import UnknownVersion
+from collm.edge_client.runtime import EdgeRuntime
+from collm.edge_client.serve.errors import ApiError
+from collm.edge_client.serve.openai_schema import AdminEvaluate, AdminPublish, AdminRollback, AdminTrain
+from collm.edge_client.training.jobs import TrainBudget
+
+MAX_ADMIN_JOBS = 256  # finished admin jobs /admin/jobs remembers (running ones are always kept)
+
+
+def _inside(path: str, root: str) -> bool:
+    """True if `path`, symlinks and '..' resolved, lies inside `root` (also resolved)."""
+    p, r = Path(path).expanduser().resolve(), Path(root).expanduser().resolve()
+    return p == r or r in p.parents
+
+
+def admin_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
+    """The /admin/* routes; `engine()` is the app's gate (503 while loading or failed)."""
+    router = APIRouter()
+    jobs: OrderedDict[str, object] = OrderedDict()  # admin jobs by id, the last MAX_ADMIN_JOBS
+
+    def remember(jid: str, fut) -> None:
+        """Keep a job's future for /admin/jobs; the oldest finished ones go past MAX_ADMIN_JOBS (the table
+        must not grow with every call)."""
+        jobs[jid] = fut
+        for old in [k for k, f in jobs.items() if f.done()][: max(0, len(jobs) - MAX_ADMIN_JOBS)]:
+            del jobs[old]
+
+    def admin():
+        if not rt.cfg.api.admin:
+            raise ApiError(404, "admin endpoints are off; set api.admin: true in the edge config", "not_found_error")
+        return engine()
+
+    @router.post("/admin/train", status_code=202)
+    async def admin_train(body: AdminTrain):
+        eng = admin()
+        try:
+            fut = eng.train(TrainBudget(steps=body.steps, tokens=body.tokens, deadline_s=body.deadline_s))
+        except (EngineError, ValueError) as e:
+            raise ApiError(400, str(e)) from None
+        jid = f"train-{uuid.uuid4().hex[:8]}"
+        remember(jid, fut)
+        return {"job": jid}
+
+    @router.post("/admin/evaluate", status_code=202)
+    async def admin_evaluate(body: AdminEvaluate):
+        eng = admin()
+        try:
+            fut = eng.evaluate(version=body.version)
+        except EngineError as e:
+            raise ApiError(400, str(e), param="version") from None
+        jid = f"eval-{uuid.uuid4().hex[:8]}"
+        remember(jid, fut)
+        return {"job": jid}
+
+    @router.get("/admin/jobs/{jid}")
+    async def admin_job(jid: str):
+        admin()
+        fut = jobs.get(jid)
+        if fut is None:
+            raise ApiError(404, f"no job {jid}", "not_found_error")
+        if not fut.done():
+            return {"job": jid, "status": "running"}
+        if fut.exception() is not None:
+            return {"job": jid, "status": "failed", "error": str(fut.exception())}
+        return {"job": jid, "status": "done", "report": fut.result().as_dict()}
+
+    @router.post("/admin/adapters")
+    async def admin_publish(body: AdminPublish):
+        eng = admin()
+        if rt.cfg.api.adapter_dir is not None and not _inside(body.path, rt.cfg.api.adapter_dir):
+            raise ApiError(403, f"path: adapters load only from inside {rt.cfg.api.adapter_dir} (api.adapter_dir)",
+                           "permission_error", param="path")
+        try:
+            state, _ = load_adapter(body.path)
+        except UserError as e:
+            raise ApiError(400, str(e), param="path") from None
+        problems = check_compatible(state, eng.layers.expected_shapes())
+        if problems:
+            raise ApiError(400, f"path: adapter does not fit this model: {problems[0]}", param="path")
+        version = body.version if body.version is not None else eng.shadow.latest_version + 1
+        if not rt.publish(state, version, source="admin"):
+            raise ApiError(409, f"version {version} is not newer than {eng.shadow.latest_version}", param="version")
+        return rt.adapters_view()
+
+    @router.post("/admin/rollback")
+    async def admin_rollback(body: AdminRollback):
+        admin()
+        try:
+            rt.rollback(body.version)
+        except UnknownVersion as e:
+            raise ApiError(404, f"version: {e}", "not_found_error", param="version") from None
+        return rt.adapters_view()
+
+    return router
