@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from collm.common.step_cost import step_seconds
 from collm.router.policy import POLICIES, Assumptions, Decision, EdgeView, Estimate, RequestView
 from collm.router.state import MIRRORED
 
@@ -95,12 +96,14 @@ def estimates(c: Columns, x: RequestView, a: Assumptions = Assumptions()) -> dic
     p = max(1, x.prompt_tokens)
     ctx = p + x.max_tokens / 2
 
+    coef = (c.c0, c.c1, c.c2, c.c3)
+
     def t_dec(d):
-        return c.c0 + c.c1 * d + c.c3 * d * ctx / 1000
+        return step_seconds(coef, d, 0, d * ctx)
 
     chunk = np.maximum(1.0, B - k)
     f = np.minimum(p, chunk)
-    t_pf = c.c0 + c.c1 * k + c.c2 * f + c.c3 * (k * ctx + f) / 1000
+    t_pf = step_seconds(coef, k, f, k * ctx + f)
     g = np.where(c.training, 1.0 + c.busy / np.maximum(1.0 - c.spare, 0.05), 1.0)
     departure = a.typical_output_tokens * t_dec(M) * g / M
     with np.errstate(divide="ignore"):
@@ -152,6 +155,20 @@ def choose_slo(c: Columns, x: RequestView, rng: random.Random, a: Assumptions = 
     key = lambda r: (c.outstanding[r], e["n"][r], c.share[r])  # noqa: E731
     pick = two if key(two) < key(one) else one
     return Decision(c.names[pick], _estimate(c, e, pick), f"p2c among {len(near)}", soonest)
+
+
+def stale_after(stale_after_s: float, poll_interval_s: float) -> float:
+    """How old a scrape may be and still count: the configured age, but never less than two polls
+    (a router that polls each edge every 10 s must not call every scrape stale)."""
+    return max(stale_after_s, 2 * poll_interval_s)
+
+
+def mask_stale(d: dict, fresh: np.ndarray) -> dict:
+    """Columns `d` with the rows whose scrape is not fresh reset to what an unscraped edge says
+    (`UNSCRAPED`): the router then counts only its own outstanding requests there."""
+    if fresh.all():
+        return d
+    return {**d, **{k: np.where(fresh, d[k], blank) for k, blank in UNSCRAPED.items()}}
 
 
 class FleetTable:
@@ -230,10 +247,7 @@ class FleetTable:
         idx = slice(None) if whole else np.flatnonzero(rows)
         fresh = now - self.at[idx] <= stale_after_s
         d = {k: v[idx] for k, v in self.data.items()}  # views when whole: never written below
-        if not fresh.all():
-            stale = ~fresh
-            for k in UNSCRAPED:
-                d[k] = np.where(stale, self.blank[k], d[k])
+        d = mask_stale(d, fresh)
         return Columns(names=self.names if whole else self._names[idx].tolist(),
                        outstanding=self.outstanding[idx].copy(), unused=now - self.last_sent[idx], **d)
 

@@ -76,6 +76,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from collm.common.step_cost import step_seconds
+
 POLICIES = ("slo", "slo_pack", "round_robin", "least_outstanding")
 
 
@@ -167,7 +169,6 @@ def edge_load(e: EdgeView) -> float:
 
 def estimate(e: EdgeView, x: RequestView, a: Assumptions = Assumptions()) -> Estimate:
     """TTFT^ and TPOT^ of request x on edge e (the formulas of the module docstring)."""
-    c0, c1, c2, c3 = e.step_coef
     M = max(1.0, float(e.max_running))
     B = e.step_token_budget or a.step_token_budget
     n = edge_load(e)
@@ -177,11 +178,11 @@ def estimate(e: EdgeView, x: RequestView, a: Assumptions = Assumptions()) -> Est
     ctx = p + x.max_tokens / 2
 
     def t_dec(d: float) -> float:
-        return c0 + c1 * d + c3 * d * ctx / 1000
+        return step_seconds(e.step_coef, d, 0, d * ctx)
 
     chunk = max(1.0, B - k)
     f = min(p, chunk)
-    t_pf = c0 + c1 * k + c2 * f + c3 * (k * ctx + f) / 1000
+    t_pf = step_seconds(e.step_coef, k, f, k * ctx + f)
     g = 1.0 + e.training_busy / max(1.0 - e.spare_capacity, 0.05) if e.training_active else 1.0
     departure = a.typical_output_tokens * t_dec(M) * g / M
     if e.finish_rate > 0:

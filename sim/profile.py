@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from collm.common.errors import UserError
+from collm.common.step_cost import step_seconds
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 SCHEMA = "collm-profile/1"
@@ -49,8 +50,7 @@ class EdgeProfile:
     def step_s(self, decode: int, prefill: int, attended: int) -> float:
         """Noise-free seconds of one serving step (the cost model's features); a decode-only step also
         gets its batch size's measured residual (the linear fit misses e.g. batch 1 being cheaper)."""
-        c0, c1, c2, c3 = self.coef
-        t = c0 + c1 * decode + c2 * prefill + c3 * attended / 1000.0 + self.overhead_s
+        t = step_seconds(self.coef, decode, prefill, attended) + self.overhead_s
         t += self.overhead_per_seq_s * max(decode - 1, 0)
         if not prefill and self.decode_fix:
             t += self.decode_fix[min(decode, len(self.decode_fix) - 1)]
@@ -81,7 +81,7 @@ def noise_sigma(samples: list[list[float]], coef: list[float]) -> float:
     """Spread of log(measured / fitted) over the profile's step samples (at most 0.5)."""
     logs = []
     for d, p, kv, s in samples:
-        pred = coef[0] + coef[1] * d + coef[2] * p + coef[3] * kv / 1000.0
+        pred = step_seconds(coef, d, p, kv)
         if pred > 0 and s > 0:
             logs.append(math.log(s / pred))
     if len(logs) < 2:
@@ -98,7 +98,7 @@ def decode_residuals(samples: list[list[float]], coef, max_running: int) -> tupl
     by_d: dict[int, list[float]] = {}
     for d, p, kv, s in samples:
         if p == 0 and d > 0:
-            by_d.setdefault(int(d), []).append(s - (coef[0] + coef[1] * d + coef[2] * p + coef[3] * kv / 1000.0))
+            by_d.setdefault(int(d), []).append(s - step_seconds(coef, d, p, kv))
     if not by_d:
         return ()
     xs = sorted(by_d)

@@ -9,6 +9,7 @@ measured to predicted time; so an edge that has been idle for a while falls back
 calibration.
 
 * serving step:  t = c0 + c1 * decode_seqs + c2 * prefill_tokens + c3 * attended_kv_tokens / 1000
+                 (the formula and its features: common/step_cost.py, which the router and simulator use too)
 * one unit:      t = c0 + c1 * tokens           per (job kind, unit kind): train/eval x forward/head/backward
 * micro-batch:   t = c0 + c1 * tokens           the sum of one whole pass's units, per job kind: what the
                                                 load report's idle training throughput is computed from
@@ -21,6 +22,8 @@ import time
 from collections import deque
 
 import numpy as np
+
+from collm.common.step_cost import step_features
 
 
 class LinearCostModel:
@@ -97,10 +100,6 @@ class LinearCostModel:
                 self._refit()
                 self._dirty = False
             return float(self.coef @ np.concatenate([[1.0], np.asarray(features, dtype=float)]))
-
-
-def step_features(decode_seqs: int, prefill_tokens: int, attended_kv: int) -> list[float]:
-    return [float(decode_seqs), float(prefill_tokens), attended_kv / 1000.0]
 
 
 UNIT_PRIORS = {"forward": [0.002, 2e-5], "head": [0.002, 1e-4], "backward": [0.004, 4e-5]}

@@ -35,9 +35,10 @@ import torch
 
 from collm.common.data import format_example
 from collm.common.slo import SLO
+from collm.common.step_cost import step_features
 from collm.edge_client.config import EdgeConfig
 from collm.edge_client.engine.co_schedule import make_policy
-from collm.edge_client.engine.cost_model import CostModels, step_features
+from collm.edge_client.engine.cost_model import CostModels
 from collm.edge_client.engine.planner import StepShape
 from collm.edge_client.engine.replica import ReplicaCore
 from collm.edge_client.engine.requests import (AdmittedEvent, EngineError, EngineFailed, FinishEvent, PromptTooLong,

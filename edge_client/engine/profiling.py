@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from collm.edge_client.engine.cost_model import LinearCostModel, step_features
+from collm.common.step_cost import step_features
+from collm.edge_client.engine.cost_model import LinearCostModel
 from collm.edge_client.engine.requests import FinishEvent
 from collm.edge_client.engine.warmup import fastest
 from collm.edge_client.model.runner import Segment

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from collm.edge_client.engine.cost_model import step_features
+from collm.common.step_cost import step_features
 from collm.edge_client.model.runner import Segment
 from collm.edge_client.training.evaluation import EvalJob
 from collm.edge_client.training.layerwise import timed_units
