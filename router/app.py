@@ -4,8 +4,9 @@
             -> edge scheduler -> model + pinned adapter -> response, streamed back chunk by chunk
 
 The rule is in `router/policy.py` (its docstring has the formula) and runs as `router/fleet.py`'s
-columnar form over the `FleetTable` the polls fill in; what the router knows about each edge
-(health, last /metrics scrape, its own in-flight counts) is in `router/state.py`.
+columnar form over the `FleetTable` the polls (`router/poller.py`) fill in; what the router knows about
+each edge (health, last /metrics scrape, its own in-flight counts) is in `router/state.py`; request
+parsing and the SSE first-token watch in `router/requests.py`, the Prometheus collectors in `router/metrics.py`.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (bodies go to the edge unchanged, streams
 are relayed as they arrive), GET /v1/models (from one healthy edge), GET /health (503 when no edge
@@ -54,10 +55,11 @@ from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
 
 from collm.router.config import RouterConfig
 from collm.router.metrics import RouterMetrics
+from collm.router.poller import EdgePoller, describe
 from collm.router.requests import SSEWatch, request_view
-from collm.router.fleet import FleetTable, choose
+from collm.router.fleet import FleetTable, choose, stale_after
 from collm.router.policy import Assumptions, Decision, Estimate, RequestView, unattainable
-from collm.router.state import EdgeState, scrape_from_metrics
+from collm.router.state import EdgeState
 
 log = logging.getLogger("collm.router")
 
@@ -67,11 +69,6 @@ BEST_EFFORT_HEADER = "X-CoLLM-Best-Effort"  # "1"/"true": route even when no edg
 PASSED_HEADERS = ("content-type", VERSION_HEADER.lower(), EDGE_HEADER.lower(), "retry-after", "cache-control")
 FORWARDED_HEADERS = ("content-type", "accept", "authorization")
 
-
-
-def _describe(e: Exception) -> str:
-    text = str(e) or type(e).__name__
-    return f"{type(e).__name__}: {text}" if text != type(e).__name__ else text
 
 
 # ============================================================================ the router
@@ -101,7 +98,7 @@ class Router:
         self._transport = transport
         self.client: httpx.AsyncClient | None = None
         self.poll_client: httpx.AsyncClient | None = None
-        self._pollers: list[asyncio.Task] = []
+        self.poller = EdgePoller(cfg, self.edges, self.metrics, self.rng)
         edge_keys = cfg.edge_key.resolve("edge_key")
         self.edge_key = edge_keys[0] if edge_keys else None
 
@@ -118,71 +115,19 @@ class Router:
             limits=limits, transport=self._transport, headers=auth)
         self.poll_client = httpx.AsyncClient(timeout=self.cfg.health.timeout_s, transport=self._transport,
                                              headers=auth)
-        await self.poll_all()  # route from the first request on
-        self._pollers = [asyncio.create_task(self._poll_loop(e), name=f"collm-router-poll-{e.name}")
-                         for e in self.edges]
+        await self.poller.start(self.poll_client)
         log.info("router %s: %d edges, policy %s, %d healthy now", self.cfg.name, len(self.edges),
                  self.cfg.routing.policy, self.healthy_count())
 
     async def stop(self) -> None:
-        for task in self._pollers:
-            task.cancel()
-        for task in self._pollers:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.poller.stop()
         for c in (self.client, self.poll_client):
             if c is not None:
                 await c.aclose()
 
     # ---------------------------------------------------------------- edge state
     def poll_interval(self) -> float:
-        """Seconds between two polls of one edge: health.interval_s, stretched so that all edges together
-        stay within health.max_polls_per_s (1,000 edges at 100 polls/s: each every 10 s)."""
-        h = self.cfg.health
-        return max(h.interval_s, len(self.edges) / h.max_polls_per_s)
-
-    async def _poll_loop(self, edge: EdgeState) -> None:
-        """Each edge on its own clock (staggered), so one that hangs does not delay what we learn about the others."""
-        interval = self.poll_interval()
-        await asyncio.sleep(self.rng.random() * interval)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.poll(edge)
-            except Exception:  # noqa: BLE001 - the poller must outlive any one bad answer
-                log.exception("polling edge %s failed", edge.name)
-
-    async def poll_all(self) -> None:
-        await asyncio.gather(*(self.poll(e) for e in self.edges))
-
-    async def poll(self, edge: EdgeState) -> None:
-        """One health check (and metrics scrape) of one edge."""
-        h = self.cfg.health
-        at, outstanding_at = time.monotonic(), edge.outstanding
-        try:
-            health, metrics = await asyncio.gather(self.poll_client.get(edge.url + "/health"),
-                                                   self.poll_client.get(edge.url + "/metrics"))
-        except httpx.TimeoutException as e:
-            edge.poll_timed_out(h, _describe(e))
-            self.metrics.failures.labels(edge.name, "poll_timeout").inc()
-            return
-        except httpx.HTTPError as e:
-            edge.check_failed(h, _describe(e))
-            self.metrics.failures.labels(edge.name, "poll").inc()
-            return
-        body: dict = {}
-        with contextlib.suppress(ValueError):
-            body = health.json()
-        status = body.get("status") if isinstance(body, dict) else None
-        if health.status_code != 200 or status != "ready":
-            edge.check_failed(h, f"/health answered {health.status_code} ({status or 'no status'})")
-            return
-        if metrics.status_code == 200:
-            try:
-                edge.scrape = scrape_from_metrics(metrics.text, at, outstanding_at)
-            except (KeyError, ValueError) as e:
-                log.warning("edge %s: /metrics lacks %s; routing on the router's own counts", edge.name, e)
-        edge.poll_ok(h)
+        return self.poller.poll_interval()
 
     def healthy_count(self) -> int:
         return sum(e.healthy for e in self.edges)
@@ -198,8 +143,7 @@ class Router:
         pool = self.table.routable(now, [self.index[n] for n in exclude if n in self.index])
         if pool is None:
             return None
-        stale_after = max(self.cfg.health.stale_after_s, 2 * self.poll_interval())
-        cols = self.table.columns(pool, stale_after, now)
+        cols = self.table.columns(pool, stale_after(self.cfg.health.stale_after_s, self.poll_interval()), now)
         d = choose(self.cfg.routing.policy, cols, x, self.rng, self.counter, self.assumptions())
         self.counter += 1
         est = d.estimate
@@ -299,7 +243,7 @@ class Router:
                                                                       headers=headers), stream=True)
             except httpx.HTTPError as e:
                 self._transport_failure(edge, e)
-                raise _Failed("connect" if isinstance(e, httpx.ConnectError) else "read", _describe(e)) from None
+                raise _Failed("connect" if isinstance(e, httpx.ConnectError) else "read", describe(e)) from None
             edge.last_progress = time.monotonic()
             out_headers = self._headers(up, edge, attempt, soonest)
             status = up.status_code
@@ -320,7 +264,7 @@ class Router:
                     first = await chunks.__anext__()
                 except (httpx.HTTPError, StopAsyncIteration) as e:
                     self._transport_failure(edge, e)
-                    raise _Failed("read", _describe(e)) from None
+                    raise _Failed("read", describe(e)) from None
                 handed_off = True
                 return StreamingResponse(self._relay(edge, est, chunks, first, t0, close), status_code=status,
                                          headers=out_headers, media_type="text/event-stream",
@@ -332,7 +276,7 @@ class Router:
                 return Response(b"", 499)
             except httpx.HTTPError as e:
                 self._transport_failure(edge, e)
-                raise _Failed("read", _describe(e)) from None
+                raise _Failed("read", describe(e)) from None
             self._observe_json(edge, est, content)
             self.metrics.responses.labels(edge.name, "2xx").inc()
             return Response(content, status, out_headers)
@@ -342,12 +286,12 @@ class Router:
 
     def _transport_failure(self, edge: EdgeState, e: BaseException) -> None:
         if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
-            edge.connect_failed(_describe(e))
+            edge.connect_failed(describe(e))
             kind = "connect"
         else:
             kind = "read"
         self.metrics.failures.labels(edge.name, kind).inc()
-        log.warning("edge %s failed before the first byte: %s", edge.name, _describe(e))
+        log.warning("edge %s failed before the first byte: %s", edge.name, describe(e))
 
     @staticmethod
     async def _read_quietly(up: httpx.Response) -> bytes:
@@ -410,10 +354,10 @@ class Router:
             except httpx.HTTPError as e:
                 outcome = "stream_error"
                 self.metrics.failures.labels(edge.name, "mid_stream").inc()
-                edge.check_failed(self.cfg.health, f"stream broke: {_describe(e)}")
+                edge.check_failed(self.cfg.health, f"stream broke: {describe(e)}")
                 log.warning("edge %s broke a stream after it started (%s): ending it with an error event",
-                            edge.name, _describe(e))
-                err = error_body(f"edge {edge.name} failed mid-stream ({_describe(e)}); the response is incomplete",
+                            edge.name, describe(e))
+                err = error_body(f"edge {edge.name} failed mid-stream ({describe(e)}); the response is incomplete",
                                  "server_error", code="edge_stream_failed")
                 yield (b"" if watch.at_boundary else b"\n\n") + b"data: " + json.dumps(err).encode() + \
                     b"\n\ndata: [DONE]\n\n"

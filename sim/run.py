@@ -31,8 +31,7 @@ def load_requests(cfg: SimConfig):
 
 def point_result(world: World, reqs, span: dict, label: dict, resamples: int) -> dict:
     """One load point's numbers, shaped as collm-bench's `measure` shapes them."""
-    cfg = world.cfg
-    ttft_slo, tpot_slo = cfg.ttft_ms / 1000, cfg.tpot_ms / 1000
+    ttft_slo, tpot_slo = world.slo.ttft_s, world.slo.tpot_s
     by_index = {s.index: s for s in world.out if s.point == label["_point"]}
     outcomes = []
     for i, r in enumerate(reqs):

@@ -37,6 +37,7 @@ from collm.edge_client.config import TrainingConfig
 from collm.edge_client.engine.co_schedule import make_policy
 from collm.lab.bench_config import edge_policy, is_collm, mode_roles, router_policy
 from collm.router import fleet
+from collm.router.config import HealthConfig
 from collm.router.policy import Assumptions, RequestView, unattainable
 from collm.server.balancer import BALANCERS, balancer_params
 from collm.server.config import BalancerConfig
@@ -125,7 +126,7 @@ class World:
         self._init_columns()
         per_router = math.ceil(S / self.shards) if S else 0  # each router polls its own edges
         self.poll_every = max(1, math.ceil(per_router / (r.max_polls_per_s * r.interval_s)))
-        self.stale_after = max(5.0, 2 * self.poll_every * r.interval_s)
+        self.stale_after = fleet.stale_after(HealthConfig().stale_after_s, self.poll_every * r.interval_s)
         self.out: list[Served] = []
         self.rounds: list[RoundLog] = []
         self.version = 0
@@ -254,7 +255,7 @@ class World:
         self.scr = {"outstanding_at": z.copy(), "queue": np.full(S, np.nan), "running": np.full(S, np.nan),
                     "max_running": np.array([e.p.max_running for e in self.serving], float),
                     **{f"c{i}": np.array([e.p.belief()[i] for e in self.serving]) for i in range(4)},
-                    "ttft_target": np.full(S, cfg.ttft_ms / 1000), "tpot_target": np.full(S, cfg.tpot_ms / 1000),
+                    "ttft_target": np.full(S, self.slo.ttft_s), "tpot_target": np.full(S, self.slo.tpot_s),
                     "training": np.zeros(S, bool), "busy": z.copy(), "spare": np.ones(S), "finish_rate": z.copy(),
                     "budget": np.array([e.p.step_token_budget for e in self.serving], float),
                     "safety": np.full(S, cfg.slo_safety), "share": z.copy()}
@@ -276,8 +277,7 @@ class World:
 
     @staticmethod
     def _as_columns(d: dict, names: list[str], outstanding, unused, fresh) -> fleet.Columns:
-        if not fresh.all():
-            d = {**d, **{k: np.where(fresh, d[k], blank) for k, blank in fleet.UNSCRAPED.items()}}
+        d = fleet.mask_stale(d, fresh)
         return fleet.Columns(names=names, outstanding=outstanding, unused=unused, **d)
 
     def _tick(self, now: float) -> None:
