@@ -53,6 +53,7 @@ from collm.common.traces import TraceRequest
 from collm.lab.bench_analysis import add_quality, combine_passes, max_sustained_rate, search_capacity, window_span
 from collm.lab.bench_config import BenchConfig, edge_policy, is_collm, mode_roles, router_policy
 from collm.lab.loadgen import Outcome, Planned, replay, summarize
+from collm.server.config import round_timeout_for
 from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
                                 prepare_out, replica_cores, wait_http, write_config)
 from collm.router.state import parse_prometheus
@@ -186,7 +187,7 @@ class ModeRun:
         trainers = [e for e, role in zip(self.edges, self.roles) if "train" in role]
         server = yaml.safe_load(Path("configs/server.yaml").read_text())
         server.update({"rounds": f.rounds, "min_nodes": len(trainers), "checkpoint_dir": str(self.ckpt_dir),
-                       "round_timeout_s": 4 * f.round_deadline_s + 120, "query_timeout_s": 60,
+                       "round_timeout_s": round_timeout_for(f.round_deadline_s), "query_timeout_s": 60,
                        "base_model_name": self.base_model, "lora": trainers[0].lora.model_dump()})
         server["balancer"].update({"round_deadline_s": f.round_deadline_s, "round_token_budget": f.round_token_budget,
                                    "lr": f.lr, "mode": "slo" if is_collm(self.mode) else "uniform"})

@@ -58,7 +58,7 @@ from collm.lab.certs import make_certs, register_nodes
 from collm.lab.loadgen import BackgroundLoad, Planned
 from collm.lab.topology import (COORDINATOR_NICE, BASE_CONFIGS, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
                                 prepare_out, wait_http, write_config)
-from collm.server.config import ServerConfig
+from collm.server.config import ServerConfig, round_timeout_for
 
 PROMPTS = ["What is the capital of France?", "Give me three tips for a good night's sleep.",
            "Summarize what photosynthesis is in one sentence.", "Name two planets with rings.",
@@ -151,7 +151,7 @@ def server_config(args, out: Path, edges: list[EdgeConfig]) -> ServerConfig:
         overrides["strategy"] = args.strategy
     if args.round_deadline:
         overrides["balancer"]["round_deadline_s"] = args.round_deadline
-        overrides["round_timeout_s"] = 3 * args.round_deadline + 120
+        overrides["round_timeout_s"] = round_timeout_for(args.round_deadline)
     if args.round_tokens:
         overrides["balancer"]["round_token_budget"] = args.round_tokens
     return load_config(ServerConfig, args.server_config, overrides)

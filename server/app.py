@@ -17,7 +17,8 @@ from flwr.supercore import log
 
 from collm.common.errors import UserError
 
-from collm.server.checkpoints import check_lora_matches, latest_complete_round, load_all_metrics, load_round
+from collm.common.rounds import latest_complete_round
+from collm.server.checkpoints import check_lora_matches, load_all_metrics, load_round
 from collm.server.config import ServerConfig, load_server_config
 from collm.server.strategy import build_strategy
 

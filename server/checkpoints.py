@@ -13,7 +13,6 @@ since edges and tools read it too.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from collm.common.adapter_io import load_adapter, save_adapter
 from collm.common.config import LoraConfig
 from collm.common.errors import UserError
-from collm.common.rounds import METRICS_FILE, complete_rounds, json_safe, latest_complete_round, round_dir
+from collm.common.rounds import METRICS_FILE, complete_rounds, json_safe, round_dir
 
 SERVER_STATE_FILE = "server-state.safetensors"
 

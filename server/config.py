@@ -63,6 +63,13 @@ class DPConfig(Strict):
                                       "more than this epsilon (the rounds go on; the global stays as it is)")
 
 
+def round_timeout_for(round_deadline_s: float) -> float:
+    """The reply timeout a topology started on one machine sets for a round deadline (`collm-lab`,
+    `collm-bench`): training's deadline, then evaluation on edges that still serve, each slowed by the
+    neighbours, and two minutes for the transport."""
+    return 4 * round_deadline_s + 120
+
+
 class ServerConfig(Strict):
     """Configuration of the CoLLM ServerApp."""
 

@@ -8,8 +8,8 @@ import pytest
 from collm.common.adapter_io import load_adapter
 from collm.common.config import LoraConfig
 from collm.common.errors import UserError
-from collm.server.checkpoints import (check_lora_matches, latest_complete_round, load_all_metrics, load_round,
-                                      round_dir, write_round)
+from collm.common.rounds import latest_complete_round, round_dir
+from collm.server.checkpoints import check_lora_matches, load_all_metrics, load_round, write_round
 
 A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"

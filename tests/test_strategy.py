@@ -24,7 +24,8 @@ from collm.common import wire
 from collm.common.config import deep_merge, validate_config
 from collm.server.app import app as server_app
 from collm.server.app import run, summary_table
-from collm.server.checkpoints import latest_complete_round, load_all_metrics, load_round
+from collm.common.rounds import latest_complete_round
+from collm.server.checkpoints import load_all_metrics, load_round
 from collm.server.config import ServerConfig
 from collm.server.strategy import CollmFedAdam, CollmFedProx, build_strategy
 from collm.common.protocol import LoadReport
