@@ -89,7 +89,10 @@ def pass_points(point: dict) -> list[dict]:
     per = point.get("per_pass")
     if not per:
         return [point]
-    n = len(point["outcomes"]) // len(per)
+    n, left = divmod(len(point["outcomes"]), len(per))
+    if left:  # every pass replays the same arrivals; anything else cannot be split back into passes
+        raise ValueError(f"a {point['fraction']:g}x point pools {len(point['outcomes'])} requests over {len(per)} "
+                         "passes of unequal size")
     return [{"fraction": point["fraction"], "started_at": q["started_at"],
              "outcomes": point["outcomes"][k * n:(k + 1) * n], "slo_met": point["slo_met"][k * n:(k + 1) * n]}
             for k, q in enumerate(per)]

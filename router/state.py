@@ -63,12 +63,13 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 
 def scrape_from_metrics(text: str, at: float, outstanding_at: int) -> Scrape:
-    """Read the gauges routing needs; KeyError names a missing one (an edge of another version)."""
+    """Read the gauges routing needs; KeyError names a missing one (an edge of another version) or one
+    that is not a finite number (a broken or hostile edge: one +Inf step cost would make every estimate NaN)."""
     s = parse_prometheus(text)
 
     def num(name: str, default: float | None = None) -> float:
         v = s.get(name)
-        if v is None or math.isnan(v):
+        if v is None or not math.isfinite(v):
             if default is None:
                 raise KeyError(name)
             return default

@@ -204,6 +204,19 @@ def _metrics(**gauges) -> str:
     return "\n".join(lines) + "\n"
 
 
+def test_a_scrape_with_a_non_finite_gauge_is_refused_by_name():
+    """An edge publishing +Inf (or NaN) where routing reads a number is not routed on: the router keeps
+    its own counts for it (the poller logs the gauge's name)."""
+    from collm.common import metric_names as M
+    from collm.router.state import scrape_from_metrics
+
+    text = _metrics().replace(f'{M.STEP_COST}{{term="{M.STEP_COST_TERMS[2]}"}} {COEF[2]}',
+                              f'{M.STEP_COST}{{term="{M.STEP_COST_TERMS[2]}"}} +Inf')
+    with pytest.raises(KeyError, match=M.STEP_COST):
+        scrape_from_metrics(text, at=0.0, outstanding_at=0)
+    assert scrape_from_metrics(_metrics(), at=0.0, outstanding_at=0).step_coef == tuple(float(c) for c in COEF)
+
+
 def test_idle_time_training_does_not_count_as_stretching_serving():
     """An edge that trains only in its idle time (the default rule) serves at its bare step cost; the
     stretch g counts only training beside serving. Counting all of it made a lightly loaded edge look
