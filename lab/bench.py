@@ -53,10 +53,10 @@ from collm.common.traces import TraceRequest
 from collm.lab.bench_analysis import add_quality, combine_passes, max_sustained_rate, search_capacity, window_span
 from collm.lab.bench_config import BenchConfig, edge_policy, is_collm, mode_roles, router_policy
 from collm.lab.loadgen import Outcome, Planned, replay, summarize
-from collm.server.config import round_timeout_for
 from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
                                 prepare_out, replica_cores, wait_http, write_config)
 from collm.router.state import parse_prometheus
+from collm.server.config import round_timeout_for
 from collm.common.rounds import complete_rounds, read_status
 from collm.common.slo import SLO
 

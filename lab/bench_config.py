@@ -117,8 +117,8 @@ class BenchConfig(Strict):
                                                "each is pinned to its own share of the cores")
     modes: list[Mode] = Field(
         default_factory=lambda: list(MODES), min_length=1,
-        description="modes to compare (collm-pack only when named); serve-only always runs first (it measures the capacity and is every "
-                    "ratio's baseline) and is always reported")
+        description="modes to compare (collm-pack only when named); serve-only always runs first (it measures "
+                    "the capacity and is every ratio's baseline) and is always reported")
     warmup_s: float = Field(5.0, ge=0, description="run each topology this long before its first point")
     ttft_ms: float = Field(1000.0, gt=0, allow_inf_nan=False)
     tpot_ms: float = Field(100.0, gt=0, allow_inf_nan=False)

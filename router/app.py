@@ -97,7 +97,6 @@ class Router:
         self.metrics = RouterMetrics(self)
         self._transport = transport
         self.client: httpx.AsyncClient | None = None
-        self.poll_client: httpx.AsyncClient | None = None
         self.poller = EdgePoller(cfg, self.edges, self.metrics, self.rng)
         edge_keys = cfg.edge_key.resolve("edge_key")
         self.edge_key = edge_keys[0] if edge_keys else None
@@ -113,17 +112,14 @@ class Router:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=p.connect_timeout_s, read=p.read_timeout_s, write=30.0, pool=None),
             limits=limits, transport=self._transport, headers=auth)
-        self.poll_client = httpx.AsyncClient(timeout=self.cfg.health.timeout_s, transport=self._transport,
-                                             headers=auth)
-        await self.poller.start(self.poll_client)
+        await self.poller.start(self._transport, auth)
         log.info("router %s: %d edges, policy %s, %d healthy now", self.cfg.name, len(self.edges),
                  self.cfg.routing.policy, self.healthy_count())
 
     async def stop(self) -> None:
         await self.poller.stop()
-        for c in (self.client, self.poll_client):
-            if c is not None:
-                await c.aclose()
+        if self.client is not None:
+            await self.client.aclose()
 
     # ---------------------------------------------------------------- edge state
     def poll_interval(self) -> float:

@@ -31,9 +31,10 @@ class EdgePoller:
         self.client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
 
-    async def start(self, client: httpx.AsyncClient) -> None:
-        """Poll every edge once (route from the first request on), then each on its own clock."""
-        self.client = client
+    async def start(self, transport: httpx.AsyncBaseTransport | None, headers: dict | None) -> None:
+        """Poll every edge once (route from the first request on), then each on its own clock, on a client
+        of its own (a poll never waits for a connection the proxied requests hold)."""
+        self.client = httpx.AsyncClient(timeout=self.cfg.health.timeout_s, transport=transport, headers=headers)
         await self.poll_all()
         self._tasks = [asyncio.create_task(self._poll_loop(e), name=f"collm-router-poll-{e.name}")
                        for e in self.edges]
@@ -44,6 +45,8 @@ class EdgePoller:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.client is not None:
+            await self.client.aclose()
 
     def poll_interval(self) -> float:
         """Seconds between two polls of one edge: health.interval_s, stretched so that all edges together
