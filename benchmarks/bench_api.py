@@ -40,7 +40,8 @@ class Edge:
         cfg = yaml.safe_load((ROOT / base_config).read_text())
         self.port = free_port()
         cfg.update({"name": name, "state_dir": str(workdir / name)})
-        cfg["api"] = {**cfg.get("api", {}), "host": "127.0.0.1", "port": self.port, "admin": True}
+        cfg["api"] = {**cfg.get("api", {}), "host": "127.0.0.1", "port": self.port, "admin": True,
+                     "admin_without_token": True}
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         self.cfg = cfg

@@ -93,7 +93,7 @@ def edge_config(name: str, port: int, state: Path, args) -> dict:
         "slo": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms},
         "data": {"categories": ["open_qa"], "max_records": 200},
         "training": {"micro_batch_size": 2, "grad_accum_steps": 2, "max_seq_len": 96, "max_eval_records": 16},
-        "api": {"port": port, "admin": True, "shutdown_grace_s": 2},
+        "api": {"port": port, "admin": True, "admin_without_token": True, "shutdown_grace_s": 2},
         "state_dir": str(state / name),
     }
 

@@ -13,6 +13,7 @@ With no keys configured a surface is open, as before. `/health` and `/metrics` s
 from __future__ import annotations
 
 import hmac
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,7 @@ class Keys:
                    cfg.protect_health)
 
 
-def _matches(given: str, keys: tuple[str, ...]) -> bool:
+def matches(given: str, keys: tuple[str, ...]) -> bool:
     ok = False
     for k in keys:  # every key is compared, so the time does not tell which one (or whether any) matched
         ok |= hmac.compare_digest(given.encode(), k.encode())
@@ -88,9 +89,9 @@ def refusal(path: str, authorization: str | None, keys: Keys) -> tuple[int, dict
     if path.startswith("/admin"):
         if not keys.admin:
             return None
-        if token is not None and _matches(token, keys.admin):
+        if token is not None and matches(token, keys.admin):
             return None
-        if token is not None and keys.api and _matches(token, keys.api):
+        if token is not None and keys.api and matches(token, keys.api):
             return 403, error_body("this is an API key; /admin/* needs the admin token", "permission_error",
                                    code="admin_token_required")
         return 401, error_body("missing or invalid admin token: send 'Authorization: Bearer <admin token>'",
@@ -98,24 +99,40 @@ def refusal(path: str, authorization: str | None, keys: Keys) -> tuple[int, dict
     protected = path.startswith("/v1") or (keys.protect_health and path in ("/health", "/metrics"))
     if not protected or not keys.api:
         return None
-    if token is not None and (_matches(token, keys.api) or (keys.admin and _matches(token, keys.admin))):
+    if token is not None and (matches(token, keys.api) or (keys.admin and matches(token, keys.admin))):
         return None
     return 401, error_body("missing or invalid API key: send 'Authorization: Bearer <key>'", "authentication_error",
                            code="invalid_api_key")
 
 
+class KeyCheck:
+    """ASGI middleware: every request checked against `keys` before it reaches the app, on the routed path.
+    Plain ASGI: a streamed response passes straight through (Starlette's BaseHTTPMiddleware relays every
+    response through a task and a memory stream of its own)."""
+
+    def __init__(self, app, keys: Keys):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        # scope["path"] is the path the app routes on; request.url.path is rebuilt from the Host header, which a
+        # client can poison to skip this check (CVE-2026-48710; starlette >= 1.0.1 is pinned as well)
+        refused = refusal(scope["path"], auth, self.keys)
+        if refused is None:
+            return await self.app(scope, receive, send)
+        status, body = refused
+        data = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+
 def install(app, keys: Keys) -> None:
-    """Check every request of a FastAPI `app` against `keys` before it reaches a handler."""
-    from fastapi.responses import JSONResponse
-
-    if not keys.api and not keys.admin:
-        return
-
-    @app.middleware("http")
-    async def _auth(request, call_next):
-        refused = refusal(request.url.path, request.headers.get("authorization"), keys)
-        if refused is not None:
-            status, body = refused
-            return JSONResponse(body, status_code=status,
-                                headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
-        return await call_next(request)
+    """Check every request of a FastAPI `app` against `keys` before it reaches a handler (outermost of the
+    middleware installed so far)."""
+    if keys.api or keys.admin:
+        app.add_middleware(KeyCheck, keys=keys)

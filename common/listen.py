@@ -17,3 +17,15 @@ def bind_listen_socket(host: str, port: int, field: str = "api.port") -> socket.
         sock.close()
         raise UserError(f"{field}: cannot listen on {host}:{port}: {e.strerror}") from None
     return sock
+
+
+def is_loopback(host: str) -> bool:
+    """True if a server bound to `host` is reachable from this machine only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

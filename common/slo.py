@@ -24,11 +24,13 @@ class SLO:
     def from_ms(cls, ttft_ms: float, tpot_ms: float) -> SLO:
         return cls(ttft_ms / 1000.0, tpot_ms / 1000.0)
 
-    def override(self, ttft_ms: float | None = None, tpot_ms: float | None = None) -> SLO:
-        """These targets with a request's own (milliseconds; None, non-finite or <= 0: keep ours)."""
+    def override(self, ttft_ms: float | None = None, tpot_ms: float | None = None, floor: float = 0.0) -> SLO:
+        """These targets with a request's own (milliseconds; None, non-finite or <= 0: keep ours), each at
+        least `floor` x ours: a client cannot set a target so tight that it stops the replica's training
+        (the slack guard would go negative) while it decodes."""
         def pick(ms: float | None, default_s: float) -> float:
             ok = isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms) and ms > 0
-            return ms / 1000.0 if ok else default_s
+            return max(ms / 1000.0, floor * default_s) if ok else default_s
 
         return SLO(pick(ttft_ms, self.ttft_s), pick(tpot_ms, self.tpot_s))
 

@@ -13,6 +13,8 @@ from pydantic import Field, model_validator
 
 from collm.common.auth import AuthConfig
 from collm.common.config import LoraConfig, Strict
+from collm.common.errors import UserError
+from collm.common.listen import is_loopback
 from collm.common.slo import SLO
 
 # ----------------------------------------------------------------------------- model
@@ -103,6 +105,8 @@ class SLOConfig(Strict):
     ttft_ms: float = Field(2000.0, gt=0, allow_inf_nan=False, description="time to first token")
     tpot_ms: float = Field(200.0, gt=0, allow_inf_nan=False, description="time per output token after the first")
     safety: float = Field(0.8, gt=0, le=1, description="fraction of each SLO the scheduler plans to use")
+    override_floor: float = Field(0.25, ge=0, le=1, description="a request's own `slo` may tighten each target to "
+                                  "this fraction of the edge's at most (a tighter one is raised to it)")
 
     @property
     def targets(self) -> SLO:
@@ -216,7 +220,15 @@ class ApiConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: let in-flight requests finish")
-    admin: bool = Field(False, description="enable /admin/* (local training, evaluation, adapter loading)")
+    admin: bool = Field(False, description="enable /admin/* (local training, evaluation, adapter loading); needs "
+                        "auth.admin_tokens")
+    admin_without_token: bool = Field(False, description="allow admin: true with no auth.admin_tokens, on a loopback "
+                                      "host only (a lab or a test on one machine): then anyone who can reach the "
+                                      "port can publish adapters")
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="a request body over this many bytes is "
+                                "answered 413 before it is read whole (common/http_guard.py)")
+    max_prompt_chars: int = Field(262_144, ge=1, description="a prompt (all messages together) over this many "
+                                  "characters is answered 400 before it is tokenized")
     adapter_dir: str | None = Field(None, description="/admin/adapters loads only from inside this directory (paths "
                                     "outside it, '..' and symlinks out of it are refused); unset: any path")
 
@@ -277,6 +289,21 @@ class EdgeConfig(Strict):
     adapters: AdaptersConfig = AdaptersConfig()
     federation: FederationConfig = FederationConfig()
     state_dir: str = Field("state/{name}", description="adapters and local state; {name} = edge name")
+
+    @model_validator(mode="after")
+    def _open_admin_on_loopback_only(self) -> EdgeConfig:
+        if self.api.admin and self.api.admin_without_token and not is_loopback(self.api.host):
+            raise ValueError(f"api.admin_without_token: allowed on a loopback host only, api.host is "
+                             f"{self.api.host!r}; set auth.admin_tokens instead")
+        return self
+
+    def check_admin_keys(self, keys) -> None:
+        """At start, with the keys resolved (an empty variable is no token): admin on and no token is a
+        one-line error unless explicitly allowed on loopback (issue #34: /admin/* answered anyone)."""
+        if self.api.admin and not keys.admin and not self.api.admin_without_token:
+            raise UserError("api.admin: /admin/* would answer anyone (it publishes adapters and rolls them back) and "
+                            "auth.admin_tokens gives no token; set one, or on a loopback host "
+                            "api.admin_without_token: true")
 
     @property
     def resolved_state_dir(self) -> Path:

@@ -256,11 +256,13 @@ def measure(run: ModeRun, plan: list[Planned], cfg: BenchConfig, label: dict) ->
     return {**label, "rate": n / window, "window_s": window, **s,
             "attainment_ci": [lo, hi], "goodput_ci": [lo * n / window, hi * n / window],
             "train_tokens": tokens, "train_tokens_per_s": tokens / max(t1 - t0, 1e-9),
-            "started_at": t0, "ended_at": t1, "slo_met": met, "outcomes": [_compact(o) for o in outcomes]}
+            "started_at": t0, "ended_at": t1, "slo_met": met, "outcomes": [_compact(o, t0) for o in outcomes]}
 
 
-def _compact(o: Outcome) -> dict:
-    return {"at": round(o.sent_at, 3), "status": o.status, "ttft_s": o.ttft_s, "tpot_s": o.tpot_s,
+def _compact(o: Outcome, t0: float) -> dict:
+    """`at`: seconds after the point's `started_at` on the wall clock the edges' timelines use (the replay's own
+    clock starts a little later, by as much as a loaded machine delays it)."""
+    return {"at": round(o.sent_wall - t0, 4), "status": o.status, "ttft_s": o.ttft_s, "tpot_s": o.tpot_s,
             "tokens": o.output_tokens, "version": o.adapter_version, "edge": o.edge, "miss": o.miss,
             "soonest_ttft_s": o.soonest_ttft_s}
 

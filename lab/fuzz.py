@@ -190,7 +190,8 @@ class SelfTopology:
 
         self.out = Path(tempfile.mkdtemp(prefix="collm-fuzz-"))
         self.group = ProcessGroup(self.out)
-        cfg = edge_config("tiny", "fuzz-edge", self.out, categories=["open_qa"], overrides={"api": {"admin": True}})
+        cfg = edge_config("tiny", "fuzz-edge", self.out, categories=["open_qa"],
+                          overrides={"api": {"admin": True, "admin_without_token": True}})
         self.group.spawn("edge", [str(BIN_DIR / "collm-edge"), "--config", str(write_config(self.out / "edge.yaml",
                                                                                            cfg))])
         self.edge_url = edge_url(cfg)

@@ -57,6 +57,7 @@ class Outcome:
     ttft_slo_s: float = 1.0
     tpot_slo_s: float = 0.2
     soonest_ttft_s: float | None = None  # the router's TTFT estimate on its soonest edge (slo policy)
+    sent_wall: float = 0.0  # time.time() when sent: where the request lies on the edges' timelines
 
     @property
     def completed(self) -> bool:
@@ -107,7 +108,8 @@ async def _one(client: httpx.AsyncClient, url: str, p: Planned, t0: float) -> Ou
     if not p.stream:
         return await _one_json(client, url, p, t0)
     sent = time.perf_counter()
-    out = Outcome(p.tag, sent - t0, "error", ttft_slo_s=p.ttft_slo_s, tpot_slo_s=p.tpot_slo_s)
+    out = Outcome(p.tag, sent - t0, "error", ttft_slo_s=p.ttft_slo_s, tpot_slo_s=p.tpot_slo_s,
+                  sent_wall=time.time())
     body = {**p.body, "stream": True, "stream_options": {"include_usage": True}}
     try:
         async with client.stream("POST", url + p.path, json=body) as r:
@@ -141,7 +143,8 @@ async def _one(client: httpx.AsyncClient, url: str, p: Planned, t0: float) -> Ou
 async def _one_json(client: httpx.AsyncClient, url: str, p: Planned, t0: float) -> Outcome:
     """A non-streaming request: E2E measured here, TTFT and TPOT as the edge measured them."""
     sent = time.perf_counter()
-    out = Outcome(p.tag, sent - t0, "error", ttft_slo_s=p.ttft_slo_s, tpot_slo_s=p.tpot_slo_s)
+    out = Outcome(p.tag, sent - t0, "error", ttft_slo_s=p.ttft_slo_s, tpot_slo_s=p.tpot_slo_s,
+                  sent_wall=time.time())
     try:
         r = await client.post(url + p.path, json={**p.body, "stream": False})
     except httpx.HTTPError as e:

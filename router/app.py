@@ -50,7 +50,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from collm.common.auth import Keys, install
+from collm.common.auth import Keys, bearer, install, matches
+from collm.common.errors import UserError
+from collm.common.http_guard import BodyLimit
 from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
 
 from collm.router.config import RouterConfig
@@ -67,7 +69,7 @@ ATTEMPTS_HEADER = "X-CoLLM-Router-Attempts"
 SOONEST_HEADER = "X-CoLLM-Soonest-TTFT"  # seconds: the slo rule's TTFT estimate on the soonest edge
 BEST_EFFORT_HEADER = "X-CoLLM-Best-Effort"  # "1"/"true": route even when no edge can meet the TTFT target
 PASSED_HEADERS = ("content-type", VERSION_HEADER.lower(), EDGE_HEADER.lower(), "retry-after", "cache-control")
-FORWARDED_HEADERS = ("content-type", "accept", "authorization")
+FORWARDED_HEADERS = ("content-type", "accept")  # never the client's key: the router sends its own (edge_key)
 
 
 
@@ -100,6 +102,11 @@ class Router:
         self.poller = EdgePoller(cfg, self.edges, self.metrics, self.rng)
         edge_keys = cfg.edge_key.resolve("edge_key")
         self.edge_key = edge_keys[0] if edge_keys else None
+        self.keys = Keys.from_config(cfg.auth)
+        if self.edge_key and not self.keys.api and not cfg.open_proxy:
+            raise UserError("edge_key: the router would spend its key towards the edges for anyone (auth.api_keys "
+                            "gives no key); set auth.api_keys, or open_proxy: true if that is what you want")
+        self.best_effort_keys = cfg.best_effort_keys.resolve("best_effort_keys") + self.keys.admin
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -110,7 +117,8 @@ class Router:
                               keepalive_expiry=p.keepalive_s)
         auth = {"Authorization": f"Bearer {self.edge_key}"} if self.edge_key else None
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=p.connect_timeout_s, read=p.read_timeout_s, write=30.0, pool=None),
+            timeout=httpx.Timeout(connect=p.connect_timeout_s, read=p.read_timeout_s, write=30.0,
+                                  pool=p.pool_timeout_s),
             limits=limits, transport=self._transport, headers=auth)
         await self.poller.start(self._transport, auth)
         log.info("router %s: %d edges, policy %s, %d healthy now", self.cfg.name, len(self.edges),
@@ -160,12 +168,20 @@ class Router:
         if raw:
             with contextlib.suppress(ValueError, RecursionError):  # the edge answers bad JSON with a 400
                 body = json.loads(raw)
+        in_flight = sum(e.outstanding for e in self.edges)
+        if in_flight >= self.cfg.api.max_in_flight:
+            return JSONResponse(error_body(f"the router has {in_flight} requests in flight, its limit "
+                                           f"(api.max_in_flight); retry after 1 s", "service_unavailable",
+                                           code="router_busy"), status_code=503, headers={"Retry-After": "1"})
         x, stream = request_view(body, chat, self.cfg, self.typical_output)
-        if request.headers.get(BEST_EFFORT_HEADER, "").lower() in ("1", "true", "yes"):
+        asked = request.headers.get(BEST_EFFORT_HEADER, "").lower() in ("1", "true", "yes")
+        if asked or (isinstance(body, dict) and body.get("best_effort") is True):
+            if not self._may_skip_admission(request.headers.get("authorization")):
+                return JSONResponse(error_body(f"{BEST_EFFORT_HEADER}: this key may not skip admission (the "
+                                               "router's best_effort_keys)", "permission_error",
+                                               code="best_effort_not_allowed"), status_code=403)
             x = replace(x, best_effort=True)
         headers = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
-        if self.edge_key:  # the router's own key towards the edges, not the client's key for the router
-            headers.pop("authorization", None)
         tried: list[str] = []
         failed: list[_Failed] = []
         for attempt in (1, 2):
@@ -200,6 +216,13 @@ class Router:
             msg = f"no healthy edge: all {len(self.edges)} edges are out of service: {down}"
         return JSONResponse(error_body(msg, "service_unavailable", code="no_healthy_edge"), status_code=503,
                             headers={"Retry-After": str(max(1, math.ceil(self.cfg.health.interval_s)))})
+
+    def _may_skip_admission(self, authorization: str | None) -> bool:
+        """Best effort is a permission of a key; a router without client keys cannot tell clients apart."""
+        if not self.keys.api:
+            return True
+        token = bearer(authorization)
+        return token is not None and matches(token, self.best_effort_keys)
 
     def _refuse(self, d: Decision) -> Response:
         """429: even the soonest edge would give the request its first token after its target."""
@@ -386,7 +409,8 @@ def create_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = N
             await router.stop()
 
     app = FastAPI(title="collm-router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    install(app, Keys.from_config(cfg.auth))
+    app.add_middleware(BodyLimit, max_bytes=cfg.api.max_body_bytes, setting="api.max_body_bytes")
+    install(app, router.keys)  # outermost: a request without a key is refused before its body
     app.state.router = router
 
     @app.exception_handler(StarletteHTTPException)

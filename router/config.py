@@ -38,6 +38,10 @@ class RouterApiConfig(Strict):
     shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: let in-flight requests finish")
     keepalive_s: float = Field(65.0, gt=0, description="keep an idle client connection open this long (longer "
                                                        "than clients keep theirs)")
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="a request body over this many bytes is "
+                                "answered 413 before it is read whole (common/http_guard.py)")
+    max_in_flight: int = Field(512, ge=1, description="requests in flight to the edges, all clients together; one "
+                               "more is answered 503 at once (code router_busy) instead of waiting for a connection")
 
 
 class HealthConfig(Strict):
@@ -96,6 +100,8 @@ class ProxyConfig(Strict):
     connect_timeout_s: float = Field(2.0, gt=0, description="give up connecting to an edge after this long")
     read_timeout_s: float = Field(600.0, gt=0, description="longest silence from an edge inside one response")
     max_connections: int = Field(1000, ge=1, description="open connections to all edges together")
+    pool_timeout_s: float = Field(10.0, gt=0, description="give up waiting for a free connection to an edge after "
+                                  "this long (slow-reading clients can hold them all)")
     keepalive_s: float = Field(2.0, ge=0, description="close a connection to an edge idle this long (keep it "
                                                       "below the edges' keep-alive timeout, 5 s)")
 
@@ -111,7 +117,12 @@ class RouterConfig(Strict):
     proxy: ProxyConfig = ProxyConfig()
     auth: AuthConfig = Field(AuthConfig(), description="keys the router's clients must send (collm.common.auth)")
     edge_key: KeySource = Field(KeySource(), description="the API key the router sends to the edges (the first "
-                                "one given), when the edges require keys")
+                                "one given), when the edges require keys; a client's own key is never forwarded")
+    open_proxy: bool = Field(False, description="allow an edge_key with no auth.api_keys: then anyone who reaches the "
+                             "router is served on the router's key (refused at start unless set)")
+    best_effort_keys: KeySource = Field(KeySource(), description="keys whose requests may skip admission "
+                                        "(X-CoLLM-Best-Effort: 1 or best_effort: true); with auth.api_keys set, "
+                                        "any other key asking for it gets 403; admin tokens may too")
 
     @model_validator(mode="after")
     def _unique_edges(self) -> RouterConfig:

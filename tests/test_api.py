@@ -317,7 +317,7 @@ def test_openai_client_works_unchanged(edge):
 def test_admin_endpoints(tmp_path):
     from collm.common.adapter_io import save_adapter
 
-    e = LiveEdge(tiny_config(state_dir=str(tmp_path / "s"), api={"admin": True}))
+    e = LiveEdge(tiny_config(state_dir=str(tmp_path / "s"), api={"admin": True, "admin_without_token": True}))
     try:
         job = post(e, "/admin/train", {"steps": 2}).json()["job"]
         deadline = time.time() + 60

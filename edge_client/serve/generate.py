@@ -14,6 +14,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -33,12 +34,22 @@ from collm.edge_client.serve.openai_schema import ChatRequest, CompletionRequest
 def generation_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
     """/v1/completions and /v1/chat/completions; `engine()` is the app's gate (503 while loading or failed)."""
     router = APIRouter()
+    # Tokenizing is linear in the prompt and holds the GIL in stretches: it runs on a thread of its own, so the
+    # event loop keeps answering /health and streaming tokens meanwhile (one thread: the tokenizer is shared).
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="collm-tokenize")
+    max_chars = rt.cfg.api.max_prompt_chars
+
+    def _bounded(chars: int, param: str) -> None:
+        if chars > max_chars:
+            raise ApiError(400, f"{param}: {chars} characters; this edge takes at most {max_chars} "
+                                f"(api.max_prompt_chars)", param=param, code="context_length_exceeded")
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         eng = engine()
         choice = _choose_model(eng, body)
-        ids = eng.tokenizer.encode(body.prompt)
+        _bounded(len(body.prompt), "prompt")
+        ids = await asyncio.get_running_loop().run_in_executor(tokenizing, eng.tokenizer.encode, body.prompt)
         return await _generate(eng, ids, body, request, chat=False, choice=choice)
 
     @router.post("/v1/chat/completions")
@@ -46,8 +57,13 @@ def generation_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
         eng = engine()
         choice = _choose_model(eng, body)
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        _bounded(sum(len(m["content"]) for m in msgs), "messages")
+
+        def template():
+            return eng.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+
         try:
-            out = eng.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            out = await asyncio.get_running_loop().run_in_executor(tokenizing, template)
         except Exception as e:  # noqa: BLE001 - the template rejected the conversation
             raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         ids = list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -77,7 +93,8 @@ def generation_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
                                 seed=body.seed, stop=body.stops, ignore_eos=body.ignore_eos)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        slo = eng.slo.override(body.slo.ttft_ms, body.slo.tpot_ms) if body.slo else eng.slo
+        slo = eng.slo.override(body.slo.ttft_ms, body.slo.tpot_ms, floor=rt.cfg.slo.override_floor) if body.slo \
+            else eng.slo
         try:
             req = eng.submit(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), slo=slo,
                              adapter=choice.version)

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from collm.edge_client.model.sampling import SEED_MAX, SEED_MIN
 
+MAX_STOP_CHARS = 256  # OpenAI takes up to 4 stop sequences; none needs to be longer than this
+
 
 def _encodable(text: str, field: str) -> str:
     """Text the tokenizer can take: a lone surrogate (e.g. JSON "\\ud800") cannot be UTF-8 encoded."""
@@ -85,6 +87,8 @@ class _Common(BaseModel):
         stops = [v] if isinstance(v, str) else list(v or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("at most 4 non-empty stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):  # each token is checked against every stop string
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
         return [_encodable(s, "stop") for s in stops]
 
     @property
