@@ -44,16 +44,34 @@ def is_packed(record: ArrayRecord) -> bool:
 
 
 def unpack(record: ArrayRecord) -> dict[str, np.ndarray]:
-    """key -> tensor of a packed record (or of one keyed by tensor name); ValueError if malformed."""
+    """key -> float tensor of a packed record (or of one keyed by tensor name); ValueError, and nothing else, for
+    anything malformed: what an edge sends is not trusted (a nested manifest, strings, objects, bad sizes)."""
+    try:
+        out = _unpack(record)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - RecursionError, TypeError, ...: one kind of refusal for the caller
+        raise ValueError(f"packed adapter: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    for k, v in out.items():
+        if not isinstance(v, np.ndarray) or not (np.issubdtype(v.dtype, np.floating) or
+                                                 np.issubdtype(v.dtype, np.integer)):
+            kind = v.dtype if isinstance(v, np.ndarray) else type(v).__name__
+            raise ValueError(f"adapter tensor {k[:100]!r}: {kind}, expected numbers")
+    return out
+
+
+def _unpack(record: ArrayRecord) -> dict[str, np.ndarray]:
     if not is_packed(record):
-        return {k: v.numpy() for k, v in record.items()}
+        return {str(k): v.numpy() for k, v in record.items()}
     try:
         manifest = json.loads(record[MANIFEST].numpy().tobytes().decode())
         entries = [(str(k), tuple(int(d) for d in shape)) for k, shape in manifest]
     except (ValueError, TypeError, UnicodeDecodeError) as e:
         raise ValueError(f"packed adapter: unreadable manifest ({e})") from None
+    if any(d < 0 for _, shape in entries for d in shape):
+        raise ValueError("packed adapter: a negative dimension in the manifest")
     values = record[PACKED].numpy().reshape(-1)
-    sizes = [int(np.prod(shape)) for _, shape in entries]
+    sizes = [int(np.prod(shape, dtype=np.int64)) if shape else 1 for _, shape in entries]
     if sum(sizes) != values.size:
         raise ValueError(f"packed adapter: the manifest describes {sum(sizes)} values, the array holds "
                          f"{values.size}")

@@ -28,6 +28,12 @@ class RobustConfig(Strict):
     """Checks that leave a round's bad updates out of the aggregate."""
 
     norm_k: float = Field(5.0, gt=1, description="drop an update whose norm exceeds norm_k x the round's median")
+    weighting: Literal["examples", "equal"] = Field("examples", description="examples: FedAvg weighs each update by "
+                                                    "the examples its edge says it trained on (capped: "
+                                                    "max_weight_ratio); equal: every kept update the same")
+    max_weight_ratio: float | None = Field(4.0, gt=1, description="an update weighs at most this many times the median "
+                                           "of the round's other claims (edges report their own count); null: "
+                                           "as claimed")
 
 
 class BalancerConfig(Strict):

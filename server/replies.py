@@ -11,6 +11,7 @@ import numpy as np
 from collm.common import protocol as P
 from collm.common import wire
 from collm.common.protocol import EDGE_NAME, IDENTITY
+from collm.server.robust import Update, capped_weights
 
 
 def edge_name(msg: Message) -> str | None:
@@ -77,3 +78,48 @@ def common_metric_keys(replies: list[Message], r: int) -> list[Message]:
             content[key] = arrays
         out.append(Message(content, metadata=m.metadata))
     return out
+
+
+def read_train_replies(replies: list[Message], names: list[str], robust, rec) -> tuple[list[Update], list[Message]]:
+    """Each usable TRAIN reply as an Update with the weight it will carry, and the reply keyed by tensor; the
+    others are recorded in `rec.dropped` with why. An edge's reply is untrusted: whatever it holds, a bad one
+    is left out and the round goes on."""
+    updates, candidates = [], []
+    for m, name in zip(replies, names, strict=True):
+        try:
+            if m.has_error():
+                rec.train[name] = {"error": str(m.error.reason)[:500]}
+                rec.dropped[name] = f"error reply: {str(m.error.reason)[:500]}"
+                continue
+            metrics = m.content.metric_records
+            rec.train[name] = dict(next(iter(metrics.values()))) if len(metrics) == 1 else {}
+            if problem := train_reply_problem(m.content):
+                rec.dropped[name] = problem
+                continue
+            arrays = wire.unpack(next(iter(m.content.array_records.values())))
+            update = Update(name, float(rec.train[name][P.NUM_EXAMPLES]), arrays)
+            candidate = keyed(m, arrays)
+        except Exception as e:  # noqa: BLE001 - RecursionError, TypeError, ...: the reply is left out, not the run
+            rec.dropped[name] = (f"malformed reply: {str(e)[:300]}" if isinstance(e, ValueError) else
+                                 f"malformed reply ({type(e).__name__}: {str(e)[:300]})")
+            rec.train.setdefault(name, {})
+            continue
+        updates.append(update)
+        candidates.append(candidate)
+    return weighed(updates, robust, rec), candidates
+
+
+def weighed(updates: list[Update], robust, rec) -> list[Update]:
+    """The updates with their FedAvg weight: the examples each edge claims, capped (`robust.max_weight_ratio`,
+    each cut recorded in `rec.capped`), or 1 each (`robust.weighting: equal`)."""
+    if robust.weighting == "equal":
+        return [Update(u.name, 1.0, u.arrays) if np.isfinite(u.num_examples) and u.num_examples > 0 else u
+                for u in updates]
+    weights = capped_weights([u.num_examples for u in updates], robust.max_weight_ratio)
+    for u, w in zip(updates, weights, strict=True):
+        if w < u.num_examples:
+            rec.capped[u.name] = w
+            log(WARNING, "update from %s claims %g examples; weighed as %g (robust.max_weight_ratio %g x the "
+                "median of the others)", u.name, u.num_examples, w, robust.max_weight_ratio)
+    return [Update(u.name, w, u.arrays) for u, w in zip(updates, weights, strict=True)]
+

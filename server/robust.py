@@ -127,3 +127,22 @@ def screen_updates(updates: Sequence[Update], global_arrays: Mapping[str, np.nda
                                   f"{out.median_norm:.4g}")
     out.kept = [i for i in survivors if i not in out.dropped]
     return out
+
+
+def capped_weights(claims: Sequence[float], ratio: float | None) -> list[float]:
+    """Each edge's own claim of examples trained on, as its FedAvg weight, at most `ratio` x the median of the
+    other claims (None: as claimed). An edge reports its own count: uncapped, claiming 1e30 makes its update
+    the whole average (and wins every tie broken by weight). Claims that are not finite and positive stay as
+    they are (the screen drops them); a lone claim stands."""
+    ok = [float(c) for c in claims if np.isfinite(c) and c > 0]
+    out = []
+    for c in claims:
+        others = list(ok)
+        if np.isfinite(c) and c > 0:
+            others.remove(float(c))
+        if ratio is None or not others or not (np.isfinite(c) and c > 0):
+            out.append(float(c))
+        else:
+            out.append(min(float(c), ratio * float(np.median(others))))
+    return out
+

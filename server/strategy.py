@@ -47,8 +47,7 @@ from collm.common.rounds import write_status
 from collm.server.checkpoints import write_round
 from collm.server.config import ServerConfig
 from collm.server.privacy import PrivacyLedger, Release
-from collm.server.replies import (common_metric_keys, edge_name, fmt, keyed, train_reply_problem, unique_names,
-                                  with_weight)
+from collm.server.replies import common_metric_keys, edge_name, fmt, read_train_replies, unique_names, with_weight
 from collm.server.robust import Update, screen_updates
 from collm.server.rules import rules_for
 
@@ -64,6 +63,7 @@ class RoundRecord:
     training_skipped: str | None = None
     train: dict[str, dict] = field(default_factory=dict)  # edge -> its TRAIN reply's metrics
     dropped: dict[str, str] = field(default_factory=dict)  # edge -> why its update was left out
+    capped: dict[str, float] = field(default_factory=dict)  # edge -> the weight its over-large claim was cut to
     kept: list[str] = field(default_factory=list)
     train_aggregate: dict | None = None
     eval: dict[str, dict] = field(default_factory=dict)
@@ -303,12 +303,17 @@ class CollmRounds:
             return None, None
         log(INFO, "round %d: aggregating %d update(s) from %s", r, len(kept), ", ".join(rec.kept))
         weight = next((w for rule in self.rules if (w := rule.weight()) is not None), None)
-        messages = [candidates[i] if weight is None else with_weight(candidates[i], weight) for i in kept]
+        messages = [with_weight(candidates[i], updates[i].num_examples if weight is None else weight) for i in kept]
         arrays, metrics = self._average(r, common_metric_keys(messages, r))
         if arrays is not None:
             state = {k: a.numpy() for k, a in arrays.items()}
             for rule in self.rules:
                 state = rule.after(state, [updates[i] for i in kept], rec)
+            if bad := next((k for k, v in state.items() if not np.isfinite(v).all()), None):
+                rec.training_skipped = f"the aggregate has non-finite values in {bad}"
+                log(WARNING, "round %d: the aggregate has non-finite values in %s; the global adapter stays as "
+                    "it is", r, bad)
+                return None, None
             arrays = ArrayRecord({k: Array(np.asarray(v, np.float32)) for k, v in state.items()})
             self._log_privacy(r, rec)
         rec.train_aggregate = None if metrics is None else dict(metrics)
@@ -319,29 +324,10 @@ class CollmRounds:
         return super().aggregate_train(r, kept)
 
     def _read_updates(self, replies: list[Message], rec: RoundRecord) -> tuple[list[Update], list[Message]]:
-        """Each usable TRAIN reply as an Update (and its reply keyed by tensor); the others are recorded
-        as dropped, with why."""
+        """Each usable TRAIN reply as an Update with the weight it will carry (and its reply keyed by tensor);
+        the others are recorded as dropped, with why (`server/replies.py`)."""
         names = self._names_of(replies)
-        updates, candidates = [], []
-        for m in replies:
-            name = names[self._node_of(m)]
-            if m.has_error():
-                rec.train[name] = {"error": m.error.reason}
-                rec.dropped[name] = f"error reply: {m.error.reason}"
-                continue
-            metrics = m.content.metric_records
-            rec.train[name] = dict(next(iter(metrics.values()))) if len(metrics) == 1 else {}
-            if problem := train_reply_problem(m.content):
-                rec.dropped[name] = problem
-                continue
-            try:
-                arrays = wire.unpack(next(iter(m.content.array_records.values())))
-            except ValueError as e:
-                rec.dropped[name] = str(e)
-                continue
-            updates.append(Update(name, float(rec.train[name][P.NUM_EXAMPLES]), arrays))
-            candidates.append(keyed(m, arrays))
-        return updates, candidates
+        return read_train_replies(replies, [names[self._node_of(m)] for m in replies], self.server_cfg.robust, rec)
 
     def _screen(self, r: int, updates: list[Update], rec: RoundRecord) -> list[int]:
         """The updates kept (indices): those the robust screen passes and no rule objects to."""

@@ -59,6 +59,8 @@ class FakeEdge:
     honours_freeze: bool = True  # under "lora-freeze-a" it leaves A as it was sent
     clips: bool = True  # under "clipping_norm" it clips its update (DP), as the real edge does
     gone_for: tuple = ()  # message types the SuperLink answers for it with Node Unavailable (it left)
+    malformed: str | None = None  # its TRAIN reply's arrays: one of MALFORMED (a malicious or broken edge)
+    claims: float | None = None  # the num-examples it reports, whatever it trained on
     queries: int = 0
     evals: list[int] = field(default_factory=list)
 
@@ -72,6 +74,22 @@ class FakeEdge:
         return 0.01 * (self.index + 1)
 
 
+def _manifest(text: bytes) -> Array:
+    return Array(np.frombuffer(text, np.uint8).copy())
+
+
+MALFORMED = {  # what a malicious edge can put in its TRAIN reply's ArrayRecord (issue #34)
+    "nested manifest": lambda: ArrayRecord({wire.PACKED: Array(np.zeros(3, np.float32)),
+                                            wire.MANIFEST: _manifest(b"[" * 100_000 + b"]" * 100_000)}),
+    "strings": lambda: ArrayRecord({wire.PACKED: Array(np.array(["x", "y", "z"])),
+                                    wire.MANIFEST: _manifest(b'[["a", [3]]]')}),
+    "keyed strings": lambda: ArrayRecord({k: Array(np.array(["a"] * int(np.prod(s)))) for k, s in KEYS.items()}),
+    "huge shape": lambda: ArrayRecord({wire.PACKED: Array(np.zeros(3, np.float32)),
+                                       wire.MANIFEST: _manifest(b'[["a", [1e30, 1]]]')}),
+    "wrong sizes": lambda: ArrayRecord({wire.PACKED: Array(np.zeros(3, np.float32)),
+                                        wire.MANIFEST: _manifest(b'[["a", [2, 2]]]')}),
+    "not a list": lambda: ArrayRecord({wire.PACKED: Array(np.zeros(3, np.float32)), wire.MANIFEST: _manifest(b"7")}),
+}
 EDGES: dict[str, FakeEdge] = {}
 client_app = ClientApp()
 
@@ -111,10 +129,12 @@ def _train(msg: Message, context: Context) -> Message:
     if edge.nan_update:
         first = next(iter(local))
         local[first][0, 0] = np.nan
-    metrics = MetricRecord({"num-examples": cfg["budget-tokens"] // 100, "train-loss": 2.0 - edge.delta(),
+    metrics = MetricRecord({"num-examples": cfg["budget-tokens"] // 100 if edge.claims is None else edge.claims, "train-loss": 2.0 - edge.delta(),
                             "train-tokens": cfg["budget-tokens"], "train-steps": 3, "deadline-hit": 0,
                             "seconds": 1.0, **({"extra": 1.0} if edge.extra_metric else {})})
     arrays = ArrayRecord({k: Array(v) for k, v in local.items()}) if edge.keyed_reply else wire.pack(local)
+    if edge.malformed:
+        arrays = MALFORMED[edge.malformed]()
     return Message(RecordDict({"arrays": arrays, "metrics": metrics, "identity": _identity(edge)}), reply_to=msg)
 
 
@@ -554,7 +574,7 @@ def test_the_commented_dp_example_in_the_shipped_config_is_valid(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("balancer: {spare_use: 2}", "x.yaml: balancer.spare_use: expected less than or equal to 1, got 2"),
     ("strategy: fedsgd", "x.yaml: strategy: expected 'fedavg', 'fedprox' or 'fedadam', got 'fedsgd'"),
-    ("robust: {norm: 3}", "x.yaml: robust.norm: unknown key (allowed here: norm_k)"),
+    ("robust: {norm: 3}", "x.yaml: robust.norm: unknown key (allowed here: max_weight_ratio, norm_k, weighting)"),
     ("round_timeout_s: 60", "round_timeout_s (60) must be larger than balancer.round_deadline_s (120)"),
     ("fraction_train: 0", "x.yaml: fraction_train: expected greater than 0, got 0"),
     ("lora_aggregation: fedex", "x.yaml: lora_aggregation: expected 'separate' or 'ffa', got 'fedex'"),
@@ -570,3 +590,46 @@ def test_bad_server_config_is_a_one_line_user_error(tmp_path, monkeypatch, text,
     with pytest.raises(UserError) as e:
         load_server_config({"config": "x.yaml"})
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+def test_a_malformed_reply_is_left_out_and_the_run_goes_on(tmp_path, kind):
+    """Whatever a malicious edge's reply holds, its update is dropped with the reason and every round completes
+    with the honest edge's update as the aggregate."""
+    grid = make_grid(busy={"malformed": kind})
+    cfg = server_cfg(tmp_path)
+    result = build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=2, timeout=cfg.round_timeout_s)
+    assert latest_complete_round(cfg.checkpoint_dir) == 2
+    for r in (1, 2):
+        m = load_round(cfg.checkpoint_dir, r).metrics
+        assert m["kept"] == ["idle"] and m["dropped"]["busy"].startswith("malformed reply"), m["dropped"]
+    idle = EDGES["idle"]
+    for k in KEYS:  # round 2's global is idle's round-2 update on top of round 1's (its own)
+        np.testing.assert_allclose(result.arrays[k].numpy(), idle.train_arrays[1][k] + idle.delta(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("weighting,ratio,want", [("examples", 4.0, [140, 560]), ("equal", 4.0, [1, 1]),
+                                                  ("examples", None, [140, 1e30])])
+def test_an_edge_claiming_1e30_examples_weighs_at_most_ratio_times_the_others(tmp_path, weighting, ratio, want):
+    grid = make_grid(busy={"claims": 1e30})
+    cfg = server_cfg(tmp_path, robust={"weighting": weighting, "max_weight_ratio": ratio})
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=1, timeout=cfg.round_timeout_s)
+    idle, busy = EDGES["idle"], EDGES["busy"]
+    init = seeded_initial_adapter()
+    expected = fedavg([{k: v + idle.delta() for k, v in init.items()}, {k: v + busy.delta() for k, v in init.items()}],
+                      want)
+    ck = load_round(cfg.checkpoint_dir, 1)
+    for k in KEYS:
+        np.testing.assert_allclose(ck.arrays[k], expected[k], rtol=1e-5, atol=1e-7)
+    assert ck.metrics["capped"] == ({"busy": 560.0} if weighting == "examples" and ratio else {})
+
+
+def test_capped_weights():
+    from collm.server.robust import capped_weights
+
+    assert capped_weights([100, 1e30], 4) == [100, 400]
+    assert capped_weights([100, 120, 1e9], 2) == [100, 120, 220]  # 2 x the median of (100, 120)
+    out = capped_weights([100, float("nan"), 0, 1e9], 3)
+    assert out[0] == 100 and np.isnan(out[1]) and out[2] == 0 and out[3] == 300  # bad claims stay for the screen
+    assert capped_weights([5e9], 2) == [5e9] and capped_weights([100, 1e30], None) == [100, 1e30]
+
