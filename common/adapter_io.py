@@ -11,7 +11,6 @@ PEFT's keys, so what CoLLM writes loads with `PeftModel.from_pretrained` and vLL
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from collm.common.config import LoraConfig
+from collm.common.durable import replace_synced, write_atomic
 from collm.common.errors import UserError
 
 PREFIX = "base_model.model."
@@ -53,15 +53,16 @@ def adapter_config_dict(lora: LoraConfig, base_model_name: str) -> dict:
 
 def save_adapter(directory: str | Path, state: dict[str, torch.Tensor], lora: LoraConfig,
                  base_model_name: str, metadata: dict | None = None) -> Path:
-    """Write the adapter atomically (temp files + rename): a crash never leaves half an adapter."""
+    """Write the adapter file by file, each atomically and durably (temp file, fsync, rename, fsync the folder):
+    a crash never leaves half a file. Both files together flip only inside a generation (`common/durable.py`)
+    or behind a completion marker (a round's metrics.json)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
-    tmp_w, tmp_c = d / f".{WEIGHTS_FILE}.tmp", d / f".{CONFIG_FILE}.tmp"
+    tmp_w = d / f".{WEIGHTS_FILE}.tmp"
     save_file(tensors, str(tmp_w), metadata={"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}})
-    tmp_c.write_text(json.dumps(adapter_config_dict(lora, base_model_name), indent=2))
-    os.replace(tmp_w, d / WEIGHTS_FILE)
-    os.replace(tmp_c, d / CONFIG_FILE)
+    replace_synced(tmp_w, d / WEIGHTS_FILE)
+    write_atomic(d / CONFIG_FILE, json.dumps(adapter_config_dict(lora, base_model_name), indent=2))
     return d
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 
 import numpy as np
+
+from collm.common.durable import write_atomic
 
 METRICS_FILE = "metrics.json"
 STATUS_FILE = "status.json"
@@ -41,9 +42,7 @@ def write_status(directory: str | Path, status: dict) -> None:
     """Replace the run's status.json (atomically: a reader never sees half of it)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".{STATUS_FILE}.tmp"
-    tmp.write_text(json.dumps(json_safe(status)))
-    os.replace(tmp, d / STATUS_FILE)
+    write_atomic(d / STATUS_FILE, json.dumps(json_safe(status)))
 
 
 def read_status(directory: str | Path) -> dict | None:

@@ -2,9 +2,9 @@
 
 `EdgeRuntime` owns the engine and what must survive a crash or restart, under `state_dir`:
 
-    serving/            the serving adapter (PEFT format), written on every publish
-    serving.json        its version, federated round, eval loss, when it was published
-    training/           the training adapter, and optimizer.pt, written at shutdown
+    serving             the serving adapter and its version, written on every publish
+    training            the training adapter and optimizer state, written at shutdown
+(`edge_client/state_store.py`: crash-safe generations, read back with a fallback to the previous one).
 
 Federation is a service the CLI attaches (`rt.federation = EdgeFederation(rt)`): the runtime
 starts it once the engine runs and stops it first at shutdown, without knowing about Flower.
@@ -12,19 +12,16 @@ starts it once the engine runs and stops it first at shutdown, without knowing a
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 
-import torch
-
-from collm.common.adapter_io import check_compatible, load_adapter, save_adapter
+from collm.common.adapter_io import check_compatible
 from collm.edge_client.config import EdgeConfig
 from collm.edge_client.engine import Engine
 from collm.edge_client.model.loading import load_model
 from collm.edge_client.model.shadow import StaleVersion, VersionInfo
+from collm.edge_client.state_store import read_serving, read_training, write_serving, write_training
 from collm.edge_client.training.data import load_edge_data
 
 log = logging.getLogger("collm.edge")
@@ -112,44 +109,30 @@ class EdgeRuntime:
         return info
 
     def _write_serving(self, state: dict, info: VersionInfo) -> None:
-        d = self.state_dir
-        d.mkdir(parents=True, exist_ok=True)
-        save_adapter(d / "serving", state, self.cfg.lora, self.model_name, metadata={"version": info.version})
-        tmp = d / ".serving.json.tmp"
-        tmp.write_text(json.dumps(info.as_dict()))
-        os.replace(tmp, d / "serving.json")
+        write_serving(self.state_dir, state, info.as_dict(), self.cfg.lora, self.model_name)
 
     def _restore(self, engine: Engine) -> None:
-        meta_path = self.state_dir / "serving.json"
-        if meta_path.is_file() and (self.state_dir / "serving").is_dir():
-            meta = json.loads(meta_path.read_text())
-            state, _ = load_adapter(self.state_dir / "serving")
-            problems = _shape_problems(engine, state)
-            if problems:
-                log.warning("edge %s: ignoring saved serving adapter (%s)", self.cfg.name, problems[0])
-            else:
-                engine.shadow.publish(state, int(meta["version"]), round=meta.get("round"),
-                                      eval_loss=meta.get("eval_loss"), source="restored")
-                log.info("edge %s: restored serving adapter version %s", self.cfg.name, meta["version"])
-        training = self.state_dir / "training"
-        if engine.trainer is not None and training.is_dir():
-            state, _ = load_adapter(training)
-            if not _shape_problems(engine, state):
-                engine.trainer.adapter.load_peft(state)
-                opt = training / "optimizer.pt"
-                if opt.is_file():
-                    engine.trainer.optimizer.load_state_dict(torch.load(opt, weights_only=True))
-                log.info("edge %s: restored training adapter and optimizer state", self.cfg.name)
+        problems = lambda state: _shape_problems(engine, state)  # noqa: E731
+        found = read_serving(self.state_dir, problems)
+        if found is not None:
+            state, meta = found
+            engine.shadow.publish(state, int(meta["version"]), round=meta.get("round"),
+                                  eval_loss=meta.get("eval_loss"), source="restored")
+            log.info("edge %s: restored serving adapter version %s", self.cfg.name, meta["version"])
+        training = read_training(self.state_dir, problems) if engine.trainer is not None else None
+        if training is not None:
+            state, opt = training
+            engine.trainer.adapter.load_peft(state)
+            if opt is not None:
+                engine.trainer.optimizer.load_state_dict(opt)
+            log.info("edge %s: restored training adapter and optimizer state", self.cfg.name)
 
     def save_training_state(self) -> None:
         engine = self.engine
         if engine is None or engine.trainer is None:
             return
-        d = self.state_dir / "training"
-        save_adapter(d, engine.trainer.adapter.state_dict_peft(), self.cfg.lora, self.model_name)
-        tmp = d / ".optimizer.pt.tmp"
-        torch.save(engine.trainer.optimizer.state_dict(), tmp)
-        os.replace(tmp, d / "optimizer.pt")
+        d = write_training(self.state_dir, engine.trainer.adapter.state_dict_peft(),
+                           engine.trainer.optimizer.state_dict(), self.cfg.lora, self.model_name)
         log.info("edge %s: saved training adapter to %s", self.cfg.name, d)
 
     def federation_status(self) -> dict | None:

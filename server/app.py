@@ -8,7 +8,7 @@ run_config keys (`[tool.flwr.app.config]` or `flwr run -c "k=v"`):
 from __future__ import annotations
 
 import time
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
@@ -18,7 +18,7 @@ from flwr.supercore import log
 from collm.common.errors import UserError
 
 from collm.common.rounds import latest_complete_round
-from collm.server.checkpoints import check_lora_matches, load_all_metrics, load_round
+from collm.server.checkpoints import check_lora_matches, load_all_metrics, load_latest_good
 from collm.server.config import ServerConfig, load_server_config
 from collm.server.strategy import build_strategy
 
@@ -37,14 +37,14 @@ def main(grid: Grid, context: Context) -> None:
 
 def run(grid: Grid, cfg: ServerConfig) -> None:
     """Resume from the last complete round under cfg.checkpoint_dir and run up to cfg.rounds."""
-    done = latest_complete_round(cfg.checkpoint_dir)
-    if done >= cfg.rounds:
+    if latest_complete_round(cfg.checkpoint_dir) >= cfg.rounds:
         log(INFO, "all %d rounds are already complete in %s; nothing to do", cfg.rounds, cfg.checkpoint_dir)
         _log_lines(summary_table(load_all_metrics(cfg.checkpoint_dir)))
         return
+    ckpt = load_latest_good(cfg.checkpoint_dir, warn=lambda msg: log(WARNING, "%s", msg))
+    done = ckpt.round if ckpt is not None else 0
     arrays, server_state = ArrayRecord(), {}
-    if done:
-        ckpt = load_round(cfg.checkpoint_dir, done)
+    if ckpt is not None:
         check_lora_matches(ckpt, cfg.lora, "lora")
         arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in ckpt.arrays.items()})
         server_state = ckpt.server_state
@@ -54,7 +54,7 @@ def run(grid: Grid, cfg: ServerConfig) -> None:
 
     strategy = build_strategy(cfg, round_offset=done, server_state=server_state)
     if done:
-        strategy.restore_history(load_all_metrics(cfg.checkpoint_dir))
+        strategy.restore_history({r: m for r, m in load_all_metrics(cfg.checkpoint_dir).items() if r <= done})
     t0 = time.time()
     strategy.start(grid=grid, initial_arrays=arrays, num_rounds=cfg.rounds - done,
                    timeout=cfg.round_timeout_s, train_config=ConfigRecord(), evaluate_config=ConfigRecord())

@@ -13,7 +13,6 @@ since edges and tools read it too.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from collm.common.adapter_io import load_adapter, save_adapter
 from collm.common.config import LoraConfig
+from collm.common.durable import fsync_dir, replace_synced, write_atomic
 from collm.common.errors import UserError
 from collm.common.rounds import METRICS_FILE, complete_rounds, json_safe, round_dir
 
@@ -52,11 +52,22 @@ def write_round(directory: str | Path, r: int, arrays: dict[str, np.ndarray], me
                 for group, tensors in server_state.items() for k, v in tensors.items()}
         tmp = d / f".{SERVER_STATE_FILE}.tmp"
         save_file(flat, str(tmp))
-        os.replace(tmp, d / SERVER_STATE_FILE)
-    tmp = d / f".{METRICS_FILE}.tmp"
-    tmp.write_text(json.dumps(json_safe(metrics), indent=2, sort_keys=False))
-    os.replace(tmp, d / METRICS_FILE)
+        replace_synced(tmp, d / SERVER_STATE_FILE)
+    write_atomic(d / METRICS_FILE, json.dumps(json_safe(metrics), indent=2, sort_keys=False))  # complete from here
+    fsync_dir(d.parent)
     return d
+
+
+def load_latest_good(directory: str | Path, warn=None) -> RoundCheckpoint | None:
+    """The newest complete round that reads back whole, or None: a round whose files are torn (a disk that lost
+    a write, a file edited by hand) is reported through `warn(message)` and the one before it is tried."""
+    for r in reversed(complete_rounds(directory)):
+        try:
+            return load_round(directory, r)
+        except (UserError, OSError, ValueError) as e:
+            if warn is not None:
+                warn(f"round {r}'s checkpoint is unreadable ({e}); trying round {r - 1}")
+    return None
 
 
 def load_round(directory: str | Path, r: int) -> RoundCheckpoint:
@@ -80,9 +91,14 @@ def load_round(directory: str | Path, r: int) -> RoundCheckpoint:
 
 
 def load_all_metrics(directory: str | Path) -> dict[int, dict]:
-    """metrics.json of every complete round, by round number."""
-    return {r: json.loads((round_dir(directory, r) / METRICS_FILE).read_text())
-            for r in complete_rounds(directory)}
+    """metrics.json of every complete round that reads back, by round number (an unreadable one is left out)."""
+    out = {}
+    for r in complete_rounds(directory):
+        try:
+            out[r] = json.loads((round_dir(directory, r) / METRICS_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def check_lora_matches(ckpt: RoundCheckpoint, lora: LoraConfig, where: str) -> None:

@@ -348,7 +348,8 @@ def test_admin_endpoints(tmp_path):
         assert post(e, "/v1/completions", {"prompt": "x", "max_tokens": 2}).headers[VERSION_HEADER] == "0"
         r = post(e, "/admin/rollback", {"version": 9})
         assert r.status_code == 404 and "available: 0, 1" in r.json()["error"]["message"]
-        assert json.loads((tmp_path / "s" / "serving.json").read_text())["version"] == 0  # what a restart serves
+        saved = tmp_path / "s" / "serving" / "serving.json"
+        assert json.loads(saved.read_text())["version"] == 0  # what a restart serves
         assert post(e, "/admin/adapters", {"path": str(tmp_path / "ad")}).json()["serving_version"] == 2
     finally:
         e.close()

@@ -129,7 +129,8 @@ def _train(msg: Message, context: Context) -> Message:
     if edge.nan_update:
         first = next(iter(local))
         local[first][0, 0] = np.nan
-    metrics = MetricRecord({"num-examples": cfg["budget-tokens"] // 100 if edge.claims is None else edge.claims, "train-loss": 2.0 - edge.delta(),
+    examples = cfg["budget-tokens"] // 100 if edge.claims is None else edge.claims
+    metrics = MetricRecord({"num-examples": examples, "train-loss": 2.0 - edge.delta(),
                             "train-tokens": cfg["budget-tokens"], "train-steps": 3, "deadline-hit": 0,
                             "seconds": 1.0, **({"extra": 1.0} if edge.extra_metric else {})})
     arrays = ArrayRecord({k: Array(v) for k, v in local.items()}) if edge.keyed_reply else wire.pack(local)
