@@ -38,6 +38,7 @@ class EdgeRuntime:
         self.started_at = time.time()
         self.on_ready: list = []  # called once the engine runs, before the edge reports ready
         self.federation = None  # a service with start(), stop() and status() (federation.EdgeFederation)
+        self.latest_round = -1  # the newest federated round whose global this edge served (persisted)
 
     # ------------------------------------------------------------------ lifecycle
     def load(self) -> Engine:
@@ -98,9 +99,20 @@ class EdgeRuntime:
                                   persist=self._write_serving)
         except StaleVersion:
             return False
+        if round is not None:
+            self.latest_round = max(self.latest_round, round)
         log.info("edge %s: serving adapter version %d (round %s) swapped in, %.1f ms", self.cfg.name, version,
                  round, 1000 * engine.shadow.last_publish_s)
         return True
+
+    def publish_global(self, state: dict, rnd: int, eval_loss: float | None = None, source: str = "federated") -> bool:
+        """Serve round `rnd`'s global adapter unless this edge has served that round or a later one. Rounds, not
+        version numbers, decide: an admin publish may have taken the next version numbers, so the global gets
+        the next free version above them (it is then version != round, and /v1/models says both)."""
+        if rnd <= self.latest_round:
+            return False
+        version = max(rnd, self.engine.shadow.latest_version + 1)
+        return self.publish(state, version, round=rnd, eval_loss=eval_loss, source=source)
 
     def rollback(self, version: int) -> VersionInfo:
         """Serve the retained `version` again (persisted first, like a publish); UnknownVersion if not retained."""
@@ -109,7 +121,9 @@ class EdgeRuntime:
         return info
 
     def _write_serving(self, state: dict, info: VersionInfo) -> None:
-        write_serving(self.state_dir, state, info.as_dict(), self.cfg.lora, self.model_name)
+        latest = max(self.latest_round, info.round if info.round is not None else -1)
+        write_serving(self.state_dir, state, {**info.as_dict(), "latest_round": latest}, self.cfg.lora,
+                      self.model_name)
 
     def _restore(self, engine: Engine) -> None:
         problems = lambda state: _shape_problems(engine, state)  # noqa: E731
@@ -118,6 +132,8 @@ class EdgeRuntime:
             state, meta = found
             engine.shadow.publish(state, int(meta["version"]), round=meta.get("round"),
                                   eval_loss=meta.get("eval_loss"), source="restored")
+            rounds = [r for r in (meta.get("latest_round"), meta.get("round")) if isinstance(r, int)]
+            self.latest_round = max(rounds, default=self.latest_round)
             log.info("edge %s: restored serving adapter version %s", self.cfg.name, meta["version"])
         training = read_training(self.state_dir, problems) if engine.trainer is not None else None
         if training is not None:

@@ -434,3 +434,32 @@ def test_a_restarted_edge_catches_up_to_the_checkpointed_global_before_it_serves
     finally:
         again.close()
 
+
+
+def test_admin_versions_can_never_hold_back_the_federation(tmp_path):
+    """An admin publish takes the next version number (or a far one); the next federated round's global is
+    still served, above it, and a restart remembers which round it served (issue #34)."""
+    from collm.common.adapter_io import save_adapter
+
+    state_dir = tmp_path / "s"
+    e = LiveEdge(tiny_config(state_dir=str(state_dir), api={"admin": True, "admin_without_token": True}))
+    try:
+        rt = e.runtime
+        assert rt.publish_global(random_adapter_state(e.engine, 1), 1)
+        save_adapter(tmp_path / "ad", random_adapter_state(e.engine, 9), e.engine.cfg.lora, "collm-tiny")
+        r = post(e, "/admin/adapters", {"path": str(tmp_path / "ad"), "version": 10**9})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "version" and "1001" in r.text
+        assert post(e, "/admin/adapters", {"path": str(tmp_path / "ad"), "version": 900}).status_code == 200
+        assert rt.publish_global(random_adapter_state(e.engine, 2), 2)  # round 2 passes the admin's 900
+        assert e.engine.shadow.current_version == 901 and e.engine.shadow.current_info().round == 2
+        assert not rt.publish_global(random_adapter_state(e.engine, 3), 2)  # a round already served
+    finally:
+        e.close()
+    again = LiveEdge(tiny_config(state_dir=str(state_dir)))
+    try:
+        assert again.engine.shadow.current_version == 901 and again.runtime.latest_round == 2
+        assert not again.runtime.publish_global(random_adapter_state(again.engine, 3), 2)
+        assert again.runtime.publish_global(random_adapter_state(again.engine, 3), 3)
+        assert again.engine.shadow.current_version == 902
+    finally:
+        again.close()

@@ -95,9 +95,9 @@ class FederatedEdge:
             return None
         state = to_state(arrays)
         margin = self.rt.cfg.adapters.canary_margin
-        if version > 0 and version not in self.refused and version > self.rt.engine.shadow.latest_version:
+        if version > 0 and version not in self.refused and version > self.rt.latest_round:
             if margin is None:
-                self.rt.publish(state, version, round=version)  # the shadow swap: new requests get it
+                self.rt.publish_global(state, version)  # the shadow swap: new requests get it
             else:
                 self._canary(state, version, margin)  # serves it only if it passes
         return state
@@ -176,9 +176,9 @@ class FederatedEdge:
         eng = self.rt.engine
         margin = self.rt.cfg.adapters.canary_margin
         refused = None
-        if margin is None or state is None or rnd <= eng.shadow.latest_version:
+        if margin is None or state is None or rnd <= self.rt.latest_round:
             if state is not None and rnd > 0 and rnd not in self.refused:
-                self.rt.publish(state, rnd, round=rnd)  # no gate: swap first, then evaluate what is served
+                self.rt.publish_global(state, rnd)  # no gate: swap first, then evaluate what is served
             report = self._evaluate_serving(eng.shadow.current_version)
         else:
             report, refused = self._canary(state, rnd, margin)
@@ -204,7 +204,7 @@ class FederatedEdge:
         report = _evaluated(eng.evaluate(state=state).result(), self.rt.cfg.name)
         verdict = canary_verdict(report.loss, serving_loss, margin)
         if verdict.accept:
-            self.rt.publish(state, version, round=version, eval_loss=report.loss)
+            self.rt.publish_global(state, version, eval_loss=report.loss)
             return report, None
         with self.lock:
             self.refused[version] = verdict.reason
@@ -265,7 +265,7 @@ class EdgeFederation:
 
         r = latest_complete_round(checkpoint_dir)
         engine = self.rt.engine
-        if r <= engine.shadow.current_version:
+        if r <= self.rt.latest_round:
             return None
         try:
             state, _ = load_adapter(round_dir(checkpoint_dir, r))
@@ -275,7 +275,7 @@ class EdgeFederation:
         if problems := check_compatible(state, engine.layers.expected_shapes()):
             log.warning("edge %s: round %d's adapter does not fit this model: %s", self.rt.cfg.name, r, problems[0])
             return None
-        self.rt.publish(state, r, round=r, source="bootstrap")
+        self.rt.publish_global(state, r, source="bootstrap")
         log.info("edge %s: caught up to the global adapter of round %d from %s", self.rt.cfg.name, r, checkpoint_dir)
         return r
 

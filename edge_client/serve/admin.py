@@ -19,6 +19,7 @@ from collm.edge_client.serve.openai_schema import AdminEvaluate, AdminPublish, A
 from collm.edge_client.training.jobs import TrainBudget
 
 MAX_ADMIN_JOBS = 256  # finished admin jobs /admin/jobs remembers (running ones are always kept)
+MAX_VERSION_STEP = 1000  # an admin version may skip at most this many numbers (rounds still pass it: publish_global)
 
 
 def _inside(path: str, root: str) -> bool:
@@ -81,17 +82,22 @@ def admin_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
     @router.post("/admin/adapters")
     async def admin_publish(body: AdminPublish):
         eng = admin()
-        if rt.cfg.api.adapter_dir is not None and not _inside(body.path, rt.cfg.api.adapter_dir):
+        path = Path(body.path).expanduser().resolve()  # checked and loaded: the same path, symlinks resolved
+        if rt.cfg.api.adapter_dir is not None and not _inside(str(path), rt.cfg.api.adapter_dir):
             raise ApiError(403, f"path: adapters load only from inside {rt.cfg.api.adapter_dir} (api.adapter_dir)",
                            "permission_error", param="path")
+        latest = eng.shadow.latest_version
+        if body.version is not None and body.version > latest + MAX_VERSION_STEP:
+            raise ApiError(400, f"version: at most {latest + MAX_VERSION_STEP} (the latest, {latest}, + "
+                                f"{MAX_VERSION_STEP}); omit it for the next one", param="version")
         try:
-            state, _ = load_adapter(body.path)
+            state, _ = load_adapter(path)
         except UserError as e:
             raise ApiError(400, str(e), param="path") from None
         problems = check_compatible(state, eng.layers.expected_shapes())
         if problems:
             raise ApiError(400, f"path: adapter does not fit this model: {problems[0]}", param="path")
-        version = body.version if body.version is not None else eng.shadow.latest_version + 1
+        version = body.version if body.version is not None else latest + 1
         if not rt.publish(state, version, source="admin"):
             raise ApiError(409, f"version {version} is not newer than {eng.shadow.latest_version}", param="version")
         return rt.adapters_view()
