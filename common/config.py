@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from collm.common.errors import UserError
 
@@ -46,6 +46,33 @@ class LoraConfig(Strict):
 
 # ----------------------------------------------------------------------------- loading
 M = TypeVar("M", bound=BaseModel)
+
+
+class ServerTls(Strict):
+    """HTTPS for an HTTP API (uvicorn's own TLS): a certificate chain and its private key, both or neither."""
+
+    certfile: str | None = Field(None, description="PEM certificate (chain) this server presents")
+    keyfile: str | None = Field(None, description="PEM private key of that certificate")
+
+    @model_validator(mode="after")
+    def _pair(self) -> ServerTls:
+        if (self.certfile is None) != (self.keyfile is None):
+            raise ValueError("give both certfile and keyfile, or neither")
+        for name in ("certfile", "keyfile"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).expanduser().is_file():
+                raise ValueError(f"{name} {path!r} does not exist")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.certfile is not None
+
+    def uvicorn_args(self) -> dict:
+        if not self.enabled:
+            return {}
+        return {"ssl_certfile": str(Path(self.certfile).expanduser()),
+                "ssl_keyfile": str(Path(self.keyfile).expanduser())}
 
 
 def _describe_expected(err: dict[str, Any]) -> str:

@@ -75,7 +75,8 @@ def serve(cfg: EdgeConfig) -> int:
     app = create_app(rt)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.api.host, port=cfg.api.port, log_level="warning", access_log=False,
-        timeout_graceful_shutdown=int(cfg.api.shutdown_grace_s) or None, lifespan="off"))
+        timeout_graceful_shutdown=int(cfg.api.shutdown_grace_s) or None, lifespan="off",
+        **cfg.api.tls.uvicorn_args()))
     # uvicorn handles SIGTERM/SIGINT while serving and re-raises the signal when it returns; these
     # handlers receive that re-raise, so the process goes on to save its state and exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -88,7 +89,8 @@ def serve(cfg: EdgeConfig) -> int:
 
     rt.on_ready.append(lambda: rt.engine.on_failure.append(engine_died))
     loader = rt.load_in_background()
-    log.info("edge %s: listening on http://%s:%d", cfg.name, cfg.api.host, cfg.api.port)
+    log.info("edge %s: listening on %s://%s:%d", cfg.name, "https" if cfg.api.tls.enabled else "http", cfg.api.host,
+             cfg.api.port)
     server.run(sockets=[sock])  # returns after SIGTERM/SIGINT, once in-flight requests are done
     log.info("edge %s: shutting down", cfg.name)
     loader.join(timeout=1)

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from collm.common.auth import AuthConfig
-from collm.common.config import LoraConfig, Strict
+from collm.common.config import LoraConfig, ServerTls, Strict
 from collm.common.errors import UserError
 from collm.common.listen import is_loopback
 from collm.common.slo import SLO
@@ -229,6 +229,8 @@ class ApiConfig(Strict):
                                 "answered 413 before it is read whole (common/http_guard.py)")
     max_prompt_chars: int = Field(262_144, ge=1, description="a prompt (all messages together) over this many "
                                   "characters is answered 400 before it is tokenized")
+    tls: ServerTls = Field(ServerTls(), description="serve HTTPS with this certificate (keys then never travel in "
+                           "clear text; the router verifies it with proxy.ca_file)")
     adapter_dir: str | None = Field(None, description="/admin/adapters loads only from inside this directory (paths "
                                     "outside it, '..' and symlinks out of it are refused); unset: any path")
 

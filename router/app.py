@@ -42,6 +42,7 @@ import math
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import anyio
 import httpx
@@ -71,6 +72,19 @@ BEST_EFFORT_HEADER = "X-CoLLM-Best-Effort"  # "1"/"true": route even when no edg
 PASSED_HEADERS = ("content-type", VERSION_HEADER.lower(), EDGE_HEADER.lower(), "retry-after", "cache-control")
 FORWARDED_HEADERS = ("content-type", "accept")  # never the client's key: the router sends its own (edge_key)
 
+
+
+def edge_verify(ca_file: str | None):
+    """How the router checks https:// edges: the system's CAs, or the given CA file (a one-line error if unreadable)."""
+    if ca_file is None:
+        return True
+    import ssl
+
+    try:
+        return ssl.create_default_context(cafile=str(Path(ca_file).expanduser()))
+    except (OSError, ssl.SSLError) as e:
+        raise UserError(f"proxy.ca_file: cannot read {ca_file} as a PEM CA ({e}); give the CA that signed the edges' "
+                        "certificates (collm-certs)") from None
 
 
 # ============================================================================ the router
@@ -107,6 +121,7 @@ class Router:
             raise UserError("edge_key: the router would spend its key towards the edges for anyone (auth.api_keys "
                             "gives no key); set auth.api_keys, or open_proxy: true if that is what you want")
         self.best_effort_keys = cfg.best_effort_keys.resolve("best_effort_keys") + self.keys.admin
+        self.verify = edge_verify(cfg.proxy.ca_file)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -119,8 +134,8 @@ class Router:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=p.connect_timeout_s, read=p.read_timeout_s, write=30.0,
                                   pool=p.pool_timeout_s),
-            limits=limits, transport=self._transport, headers=auth)
-        await self.poller.start(self._transport, auth)
+            limits=limits, transport=self._transport, headers=auth, verify=self.verify)
+        await self.poller.start(self._transport, auth, self.verify)
         log.info("router %s: %d edges, policy %s, %d healthy now", self.cfg.name, len(self.edges),
                  self.cfg.routing.policy, self.healthy_count())
 

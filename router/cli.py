@@ -57,12 +57,13 @@ def serve(cfg: RouterConfig) -> int:
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.api.host, port=cfg.api.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=int(cfg.api.shutdown_grace_s) or None, lifespan="on",
-        timeout_keep_alive=int(cfg.api.keepalive_s)))
+        timeout_keep_alive=int(cfg.api.keepalive_s), **cfg.api.tls.uvicorn_args()))
     # uvicorn handles SIGTERM/SIGINT while serving and re-raises the signal when it returns; these
     # handlers receive that re-raise, so the process exits 0 after a graceful stop.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    log.info("router %s: listening on http://%s:%d, policy %s, edges: %s", cfg.name, cfg.api.host, cfg.api.port,
+    log.info("router %s: listening on %s://%s:%d, policy %s, edges: %s", cfg.name,
+             "https" if cfg.api.tls.enabled else "http", cfg.api.host, cfg.api.port,
              cfg.routing.policy, ", ".join(f"{e.name}={e.url}" for e in cfg.edges))
     server.run(sockets=[sock])
     log.info("router %s: stopped", cfg.name)

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from collm.common.auth import AuthConfig, KeySource
-from collm.common.config import Strict
+from collm.common.config import ServerTls, Strict
 from collm.common.slo import SLO
 
 
@@ -40,6 +40,7 @@ class RouterApiConfig(Strict):
                                                        "than clients keep theirs)")
     max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="a request body over this many bytes is "
                                 "answered 413 before it is read whole (common/http_guard.py)")
+    tls: ServerTls = Field(ServerTls(), description="serve HTTPS to clients with this certificate")
     max_in_flight: int = Field(512, ge=1, description="requests in flight to the edges, all clients together; one "
                                "more is answered 503 at once (code router_busy) instead of waiting for a connection")
 
@@ -100,6 +101,8 @@ class ProxyConfig(Strict):
     connect_timeout_s: float = Field(2.0, gt=0, description="give up connecting to an edge after this long")
     read_timeout_s: float = Field(600.0, gt=0, description="longest silence from an edge inside one response")
     max_connections: int = Field(1000, ge=1, description="open connections to all edges together")
+    ca_file: str | None = Field(None, description="verify https:// edges with this CA (PEM) instead of the system's "
+                                "(collm-certs makes one)")
     pool_timeout_s: float = Field(10.0, gt=0, description="give up waiting for a free connection to an edge after "
                                   "this long (slow-reading clients can hold them all)")
     keepalive_s: float = Field(2.0, ge=0, description="close a connection to an edge idle this long (keep it "

@@ -31,10 +31,11 @@ class EdgePoller:
         self.client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
 
-    async def start(self, transport: httpx.AsyncBaseTransport | None, headers: dict | None) -> None:
+    async def start(self, transport: httpx.AsyncBaseTransport | None, headers: dict | None, verify=True) -> None:
         """Poll every edge once (route from the first request on), then each on its own clock, on a client
         of its own (a poll never waits for a connection the proxied requests hold)."""
-        self.client = httpx.AsyncClient(timeout=self.cfg.health.timeout_s, transport=transport, headers=headers)
+        self.client = httpx.AsyncClient(timeout=self.cfg.health.timeout_s, transport=transport, headers=headers,
+                                        verify=verify)
         await self.poll_all()
         self._tasks = [asyncio.create_task(self._poll_loop(e), name=f"collm-router-poll-{e.name}")
                        for e in self.edges]
