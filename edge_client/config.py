@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from collm.common.auth import AuthConfig
+from collm.common.auth import AuthConfig, KeySource
 from collm.common.config import LoraConfig, ServerTls, Strict
 from collm.common.errors import UserError
 from collm.common.listen import is_loopback
@@ -261,6 +261,9 @@ class FederationConfig(Strict):
     node_config: dict[str, str | int | float | bool] = Field(default_factory=dict)
     supernode_nice: int = Field(10, ge=0, le=19, description="scheduling niceness of the child flower-supernode: "
                                 "relaying round messages is background work, serving on this device goes first")
+    run_key: KeySource = Field(KeySource(), description="act only on messages signed with one of these keys (the "
+                               "server's federation_key; common/run_proof.py): another run on the same SuperLink is "
+                               "refused; unset: every run is obeyed")
     bootstrap_from: str | None = Field(None, description="the server's checkpoint directory, where this edge can "
                                        "read it (a shared or mounted folder): a (re)started edge serves the latest "
                                        "global adapter from there before it reports ready")

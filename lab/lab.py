@@ -67,9 +67,10 @@ PROMPTS = ["What is the capital of France?", "Give me three tips for a good nigh
 
 def make_keys(d: Path) -> dict[str, Path]:
     """This run's keys, one file each (mode 0600): client (for /v1/*), router (its key towards the
-    edges), admin (for /admin/*), and edge-api.keys (the two keys an edge accepts on /v1/*)."""
+    edges), admin (for /admin/*), federation (the ServerApp signs its instructions with it, the edges
+    obey only those: common/run_proof.py) and edge-api.keys (the two keys an edge accepts on /v1/*)."""
     d.mkdir(parents=True, exist_ok=True)
-    keys = {name: f"collm-{name}-{secrets.token_urlsafe(24)}" for name in ("client", "router", "admin")}
+    keys = {name: f"collm-{name}-{secrets.token_urlsafe(24)}" for name in ("client", "router", "admin", "federation")}
     paths = {}
     for name, text in [*keys.items(), ("edge-api", f"{keys['client']}\n{keys['router']}")]:
         path = d / f"{name}.key{'s' if name == 'edge-api' else ''}"
@@ -101,6 +102,7 @@ def lab_edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: s
         if eval_records:
             overrides["training"] = {"max_eval_records": eval_records}
         if keys:
+            fed["run_key"] = {"file": str(keys["federation"])}
             overrides["auth"] = {"api_keys": {"file": str(keys["edge-api"])}, "admin_tokens": {"file": str(keys["admin"])}}
             overrides["api"] = {"admin": True, "adapter_dir": str(out / "checkpoints")}
         if cache_dir:
@@ -141,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def server_config(args, out: Path, edges: list[EdgeConfig]) -> ServerConfig:
+def server_config(args, out: Path, edges: list[EdgeConfig], keys: dict[str, Path] | None = None) -> ServerConfig:
     """The ServerApp's config: --server-config with what the lab decides (rounds, edges, paths)."""
     at_start = args.edges - len(getattr(args, "joins", {}))
     overrides: dict = {"rounds": args.rounds, "checkpoint_dir": str(out / "checkpoints"), "min_nodes": at_start,
@@ -154,6 +156,8 @@ def server_config(args, out: Path, edges: list[EdgeConfig]) -> ServerConfig:
         overrides["round_timeout_s"] = round_timeout_for(args.round_deadline)
     if args.round_tokens:
         overrides["balancer"]["round_token_budget"] = args.round_tokens
+    if keys:
+        overrides["federation_key"] = {"file": str(keys["federation"])}
     return load_config(ServerConfig, args.server_config, overrides)
 
 
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     client_key = keys["client"].read_text().strip() if keys else None
     auth = {"Authorization": f"Bearer {client_key}"} if keys else {}
     edges = lab_edge_configs(args.model, args.edges, superlink, out, args.cache_dir, certs, keys, args.eval_records)
-    server_cfg = server_config(args, out, edges)
+    server_cfg = server_config(args, out, edges, keys)
     (out / "server.yaml").write_text(dump_config(server_cfg))
     paths = {e.name: write_config(out / f"{e.name}.yaml", e) for e in edges}
     group = ProcessGroup(out)

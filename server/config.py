@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from collm.common.auth import KeySource
 from collm.common.config import LoraConfig, Strict, load_config
 
 
@@ -105,6 +106,9 @@ class ServerConfig(Strict):
     robust: RobustConfig = RobustConfig()
     balancer: BalancerConfig = BalancerConfig()
     checkpoint_dir: str = Field("runs/checkpoints", min_length=1)
+    federation_key: KeySource = Field(KeySource(), description="the key every instruction to the edges is signed "
+                                      "with (common/run_proof.py; the first one given): edges whose federation.run_key "
+                                      "holds it act on this run's messages only")
     round_timeout_s: float = Field(600.0, gt=0, description="how long to wait for TRAIN/EVALUATE replies")
     query_timeout_s: float = Field(60.0, gt=0, description="how long to wait for load reports")
 

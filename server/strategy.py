@@ -44,6 +44,7 @@ from collm.common.protocol import LoadReport
 from collm.server.balancer import (BALANCERS, Decision, PlannedEdge, balancer_params, choose_participants,
                                    participants_wanted, plan_round)
 from collm.common.rounds import write_status
+from collm.common.run_proof import PROOF_KEY, proof
 from collm.server.checkpoints import write_round
 from collm.server.config import ServerConfig
 from collm.server.privacy import PrivacyLedger, Release
@@ -108,6 +109,12 @@ class CollmRounds:
         dp = server_cfg.dp
         self.privacy = PrivacyLedger(dp.target_delta) if dp is not None else None
         self.rules = rules_for(server_cfg, self.privacy, population=lambda: len(self._node_names))
+        keys = server_cfg.federation_key.resolve("federation_key")
+        self._run_key = keys[0] if keys else None
+
+    def _signed(self, r: int, grid: Grid) -> dict:
+        """The proof an edge with `federation.run_key` asks of every instruction (common/run_proof.py)."""
+        return {} if self._run_key is None else {PROOF_KEY: proof(self._run_key, grid.run.run_id, r)}
 
     # ------------------------------------------------------------------------------ rounds
     def real_round(self, server_round: int) -> int:
@@ -199,7 +206,7 @@ class CollmRounds:
         reports, no_report = self._query_reports(r, node_ids, grid)
         plan = plan_round(node_ids, reports, no_report, self._decide(list(reports.values())), self._node_names)
         common = {**dict(base[0].content[self.configrecord_key]), P.LR: self.server_cfg.balancer.lr,
-                  **{k: v for rule in self.rules for k, v in rule.train_config().items()}}
+                  **{k: v for rule in self.rules for k, v in rule.train_config().items()}, **self._signed(r, grid)}
         packed = wire.pack_record(arrays)  # one Array on the wire, not one per tensor (common/wire.py)
         messages = [self._train_message(r, rec, edge, packed, common) for edge in plan]
         messages = [m for m in messages if m is not None]
@@ -266,7 +273,7 @@ class CollmRounds:
     def _query_reports(self, r: int, node_ids: list[int],
                        grid: Grid) -> tuple[dict[int, LoadReport], dict[int, str]]:
         """Fresh load reports by node id, and why the nodes without one have none."""
-        queries = [Message(RecordDict({P.CONFIG: ConfigRecord({P.SERVER_ROUND: r})}),
+        queries = [Message(RecordDict({P.CONFIG: ConfigRecord({P.SERVER_ROUND: r, **self._signed(r, grid)})}),
                            dst_node_id=nid, message_type=MessageType.QUERY) for nid in node_ids]
         self._outbox = queries
         replies = list(grid.send_and_receive(queries, timeout=self.server_cfg.query_timeout_s))
@@ -370,6 +377,7 @@ class CollmRounds:
             log(INFO, "round %d: the global adapter did not change; no evaluation, the edges keep "
                 "serving what they serve", r)
             return []
+        config = ConfigRecord({**dict(config), **self._signed(r, grid)})
         self._outbox = list(super().configure_evaluate(r, wire.pack_record(arrays), config, grid))
         return self._outbox
 

@@ -24,10 +24,13 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.clientapp import ClientApp
 
 from collm.common import protocol as P
+from collm.common.run_proof import PROOF_KEY
+from collm.common.run_proof import refusal as run_refusal
 from collm.edge_client.federation.canary import canary_verdict
 from collm.edge_client.federation.records import clipped_update, to_arrays, to_state
 from collm.edge_client.training.jobs import TrainBudget
@@ -54,14 +57,32 @@ class FederatedEdge:
         self._tokens_by_round: dict[int, int] = {}
         self.refused: dict[int, str] = {}  # global version -> why the canary gate refused it
         self.budget_fill: float | None = None  # tokens trained / budget in the last round (the load report's)
+        self.run_keys = runtime.cfg.federation.run_key.resolve("federation.run_key")
+        self.foreign_refused = 0  # messages refused as not from this federation's ServerApp
 
     # ------------------------------------------------------------------ handlers
     def client_app(self) -> ClientApp:
         app = ClientApp()
-        app.query()(self.query)
-        app.train()(self.train)
-        app.evaluate()(self.evaluate)
+        app.query()(self.bound(self.query))
+        app.train()(self.bound(self.train))
+        app.evaluate()(self.bound(self.evaluate))
         return app
+
+    def bound(self, handler):
+        """`handler`, for messages of this federation's ServerApp only (federation.run_key): any other run on the
+        SuperLink gets an error reply and changes nothing here."""
+        def checked(msg: Message, context: Context) -> Message:
+            cfg = msg.content.config_records.get(P.CONFIG) if msg.has_content() else None
+            rnd = cfg.get(P.SERVER_ROUND, 0) if cfg is not None else 0
+            why = run_refusal(self.run_keys, msg.metadata.run_id, int(rnd) if isinstance(rnd, int) else 0,
+                              cfg.get(PROOF_KEY) if cfg is not None else None)
+            if why is None:
+                return handler(msg, context)
+            self.foreign_refused += 1
+            log.warning("edge %s: refused a %s message: %s", self.rt.cfg.name, msg.metadata.message_type, why)
+            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=why), reply_to=msg)
+
+        return checked
 
     def _identity(self) -> ConfigRecord:
         return ConfigRecord({P.EDGE_NAME: self.rt.cfg.name})
@@ -223,7 +244,8 @@ class FederatedEdge:
         with self.lock:
             return {"rounds_trained": self.rounds_trained, "last_round": self.last_round,
                     "last_train": self.last_train, "last_eval": self.last_eval,
-                    "refused": {str(k): v for k, v in sorted(self.refused.items())}}
+                    "refused": {str(k): v for k, v in sorted(self.refused.items())},
+                    "foreign_refused": self.foreign_refused}
 
 
 def _evaluated(report, edge: str):
