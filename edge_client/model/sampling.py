@@ -61,28 +61,44 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], gens: list[t
 class TextStream:
     """Turns generated token ids into text deltas; finds stop strings across token boundaries.
 
-    Text that could be the start of a stop string is held back until it is known not to be.
+    Decoding is incremental (as vLLM and TGI do it): each token decodes only the last few ids, from
+    `prefix` on, and keeps what they add beyond the text of ids[prefix:read], so a long answer costs
+    linear time, not a decode of the whole output per token (issue #34). Text that could be the start
+    of a stop string is held back until it is known not to be.
     """
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tok = tokenizer
         self.stop = stop
         self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] is the context the next delta is decoded against
+        self.read = 0
         self.text = ""  # decoded text of all ids (minus a stop string once found)
         self.sent = 0  # characters of `text` already emitted
         self.stopped = False
 
+    def _delta(self) -> str:
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        now = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if now.endswith("\ufffd") or len(now) <= len(before):  # an incomplete character, or nothing yet
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return now[len(before):]
+
     def push(self, token_id: int) -> str:
         """Add a token; return the text that is now safe to emit."""
         self.ids.append(token_id)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more tokens
+        if self.stopped:
             return ""
-        self.text = text
+        added = self._delta()
+        if not added:
+            return ""
+        start = len(self.text)
+        self.text += added
         for s in self.stop:
-            at = text.find(s, max(0, self.sent - len(s)))
+            at = self.text.find(s, max(0, min(self.sent, start) - len(s)))
             if at != -1:
-                self.text = text[:at]
+                self.text = self.text[:at]
                 self.stopped = True
                 break
         hold = 0 if self.stopped else self._held_back()
@@ -92,12 +108,14 @@ class TextStream:
         return delta
 
     def _held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of some stop string."""
+        """Length of the longest text suffix that is a proper prefix of some stop string (a stop string's
+        length is bounded by the API: each check is a few C-level compares)."""
         best = 0
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:n]):
-                    best = max(best, n)
+            tail = self.text[-(len(s) - 1):] if len(s) > 1 else ""
+            for i in range(len(tail)):
+                if s.startswith(tail[i:]):
+                    best = max(best, len(tail) - i)
                     break
         return best
 
