@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,10 @@ from pydantic import Field
 
 from collm.common.config import Strict
 from collm.common.errors import UserError
+from collm.common.limits import Limiter, RateLimit, client_id, retry_after
 from collm.common.protocol import error_body
+
+log = logging.getLogger("collm.auth")
 
 
 class KeySource(Strict):
@@ -54,6 +59,12 @@ class AuthConfig(Strict):
     api_keys: KeySource = KeySource()
     admin_tokens: KeySource = KeySource()
     protect_health: bool = Field(False, description="also require an API key for /health and /metrics")
+    reload_s: float = Field(2.0, gt=0, description="key files are checked for changes this often; a changed file's "
+                            "keys apply from the next request (rotate a key without a restart)")
+    limits: RateLimit = Field(RateLimit(), description="per-key request rate and requests in flight on /v1/* "
+                              "(common/limits.py); off by default")
+    audit_log: str | None = Field(None, description="append one JSON line per /admin/* call (when, who: a digest of "
+                                  "the token, from where, what, the status) to this file; every call is logged too")
 
 
 @dataclass(frozen=True)
@@ -105,34 +116,124 @@ def refusal(path: str, authorization: str | None, keys: Keys) -> tuple[int, dict
                            code="invalid_api_key")
 
 
-class KeyCheck:
-    """ASGI middleware: every request checked against `keys` before it reaches the app, on the routed path.
-    Plain ASGI: a streamed response passes straight through (Starlette's BaseHTTPMiddleware relays every
-    response through a task and a memory stream of its own)."""
+class KeyRing:
+    """The keys of an `AuthConfig`, read again from their files when those change (checked every `reload_s`,
+    on the request path: a stat per file). A file that no longer reads keeps the keys there were, with a
+    warning: a botched edit must not open or close the door."""
 
-    def __init__(self, app, keys: Keys):
-        self.app, self.keys = app, keys
+    def __init__(self, cfg: AuthConfig, where: str = "auth"):
+        self.cfg, self.where = cfg, where
+        self.keys = Keys.from_config(cfg, where)
+        self._stamp = self._files()
+        self._checked = time.monotonic()
+
+    def _files(self) -> tuple:
+        out = []
+        for src in (self.cfg.api_keys, self.cfg.admin_tokens):
+            if src.file:
+                try:
+                    st = Path(src.file).expanduser().stat()
+                    out.append((src.file, st.st_mtime_ns, st.st_size))
+                except OSError:
+                    out.append((src.file, None, None))
+        return tuple(out)
+
+    def current(self) -> Keys:
+        now = time.monotonic()
+        if now - self._checked >= self.cfg.reload_s:
+            self._checked = now
+            stamp = self._files()
+            if stamp != self._stamp:
+                self._stamp = stamp
+                try:
+                    self.keys = Keys.from_config(self.cfg, self.where)
+                    log.info("%s: key files changed; %d API key(s), %d admin token(s) now", self.where,
+                             len(self.keys.api), len(self.keys.admin))
+                except UserError as e:
+                    log.warning("%s: kept the previous keys: %s", self.where, e)
+        return self.keys
+
+
+def _reply(status: int, body: dict, extra: list | None = None):
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    return ({"type": "http.response.start", "status": status, "headers": headers + (extra or [])},
+            {"type": "http.response.body", "body": data})
+
+
+class KeyCheck:
+    """ASGI middleware, the HTTP door: every request checked against the keys on the routed path, /v1/* held
+    to the per-key limits, every /admin/* call audited. Plain ASGI: a streamed response passes straight
+    through (Starlette's BaseHTTPMiddleware relays every response through a task and a memory stream of its
+    own), and a request counts as in flight until its last byte is sent."""
+
+    def __init__(self, app, ring: KeyRing):
+        self.app, self.ring = app, ring
+        cfg = ring.cfg
+        self.limiter = Limiter(cfg.limits) if cfg.limits.requests_per_s or cfg.limits.max_in_flight else None
+        self.audit = Path(cfg.audit_log).expanduser() if cfg.audit_log else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        path = scope["path"]
         # scope["path"] is the path the app routes on; request.url.path is rebuilt from the Host header, which a
         # client can poison to skip this check (CVE-2026-48710; starlette >= 1.0.1 is pinned as well)
-        refused = refusal(scope["path"], auth, self.keys)
-        if refused is None:
+        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        refused = refusal(path, auth, self.ring.current())
+        if path.startswith("/admin"):
+            return await self._audited(scope, receive, send, auth, refused)
+        if refused is not None:
+            start, body = _reply(*refused, [(b"www-authenticate", b"Bearer")] if refused[0] == 401 else None)
+            await send(start)
+            return await send(body)
+        if self.limiter is None or not path.startswith("/v1"):
             return await self.app(scope, receive, send)
-        status, body = refused
-        data = json.dumps(body).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-        if status == 401:
-            headers.append((b"www-authenticate", b"Bearer"))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": data})
+        who = client_id(bearer(auth), (scope.get("client") or ("?",))[0])
+        wait = self.limiter.admit(who, time.monotonic())
+        if wait is not None:
+            lim = self.ring.cfg.limits
+            start, body = _reply(429, error_body(
+                f"this key's limit ({lim.requests_per_s or 'no'} requests/s, burst {lim.burst}; "
+                f"{lim.max_in_flight or 'no limit on'} in flight: auth.limits) is reached; retry after "
+                f"{retry_after(wait)} s", "rate_limit_error", code="rate_limited"),
+                [(b"retry-after", retry_after(wait).encode())])
+            await send(start)
+            return await send(body)
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.limiter.release(who)
+
+    async def _audited(self, scope, receive, send, auth, refused) -> None:
+        status = [None]
+
+        async def watched(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if refused is not None:
+                start, body = _reply(*refused, [(b"www-authenticate", b"Bearer")] if refused[0] == 401 else None)
+                await watched(start)
+                await send(body)
+            else:
+                await self.app(scope, receive, watched)
+        finally:
+            token = bearer(auth)
+            entry = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "method": scope["method"],
+                     "path": scope["path"][:200], "who": client_id(token, None) if token else "anonymous",
+                     "client": (scope.get("client") or ("?",))[0], "status": status[0]}
+            log.info("admin call: %s", json.dumps(entry))
+            if self.audit is not None:
+                try:
+                    with open(self.audit, "a") as f:
+                        f.write(json.dumps(entry) + "\n")
+                except OSError as e:
+                    log.warning("auth.audit_log: cannot append to %s (%s)", self.audit, e)
 
 
-def install(app, keys: Keys) -> None:
-    """Check every request of a FastAPI `app` against `keys` before it reaches a handler (outermost of the
-    middleware installed so far)."""
-    if keys.api or keys.admin:
-        app.add_middleware(KeyCheck, keys=keys)
+def install(app, ring: KeyRing) -> None:
+    """The door (`KeyCheck`) around a FastAPI `app`: outermost of the middleware installed so far."""
+    app.add_middleware(KeyCheck, ring=ring)

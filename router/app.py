@@ -51,7 +51,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from collm.common.auth import Keys, bearer, install, matches
+from collm.common.auth import KeyRing, Keys, bearer, install, matches
 from collm.common.errors import UserError
 from collm.common.http_guard import BodyLimit
 from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
@@ -116,12 +116,16 @@ class Router:
         self.poller = EdgePoller(cfg, self.edges, self.metrics, self.rng)
         edge_keys = cfg.edge_key.resolve("edge_key")
         self.edge_key = edge_keys[0] if edge_keys else None
-        self.keys = Keys.from_config(cfg.auth)
+        self.ring = KeyRing(cfg.auth)
         if self.edge_key and not self.keys.api and not cfg.open_proxy:
             raise UserError("edge_key: the router would spend its key towards the edges for anyone (auth.api_keys "
                             "gives no key); set auth.api_keys, or open_proxy: true if that is what you want")
-        self.best_effort_keys = cfg.best_effort_keys.resolve("best_effort_keys") + self.keys.admin
+        self.best_effort_keys = cfg.best_effort_keys.resolve("best_effort_keys")
         self.verify = edge_verify(cfg.proxy.ca_file)
+
+    @property
+    def keys(self) -> Keys:
+        return self.ring.current()
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -237,7 +241,7 @@ class Router:
         if not self.keys.api:
             return True
         token = bearer(authorization)
-        return token is not None and matches(token, self.best_effort_keys)
+        return token is not None and matches(token, self.best_effort_keys + self.keys.admin)
 
     def _refuse(self, d: Decision) -> Response:
         """429: even the soonest edge would give the request its first token after its target."""
@@ -425,7 +429,7 @@ def create_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = N
 
     app = FastAPI(title="collm-router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=cfg.api.max_body_bytes, setting="api.max_body_bytes")
-    install(app, router.keys)  # outermost: a request without a key is refused before its body
+    install(app, router.ring)  # outermost: a request without a key is refused before its body
     app.state.router = router
 
     @app.exception_handler(StarletteHTTPException)

@@ -81,8 +81,12 @@ class ServerConfig(Strict):
     """Configuration of the CoLLM ServerApp."""
 
     rounds: int = Field(5, ge=1, description="total rounds; a resumed run continues up to this number")
-    strategy: Literal["fedavg", "fedprox", "fedadam"] = "fedavg"
+    strategy: Literal["fedavg", "fedprox", "fedadam", "fedmedian", "fedtrimmedavg", "krum"] = Field(
+        "fedavg", description="fedmedian, fedtrimmedavg and krum are Flower's robust aggregations: a minority of "
+        "poisoned updates moves the global little (they ignore the examples weights)")
     proximal_mu: float = Field(0.01, ge=0, description="FedProx proximal term weight")
+    trim_beta: float = Field(0.2, gt=0, lt=0.5, description="fedtrimmedavg: the fraction cut from each end, per value")
+    krum_malicious: int = Field(0, ge=0, description="krum: how many edges may be malicious")
     fedadam: FedAdamConfig = FedAdamConfig()
     min_nodes: int = Field(2, ge=1, description="wait for this many edges before the first round starts")
     min_round_nodes: int | None = Field(None, ge=1, description="every later round needs only this many (an edge "
@@ -120,9 +124,9 @@ class ServerConfig(Strict):
     def _timeout_covers_deadline(self) -> ServerConfig:
         if self.min_round_nodes is not None and self.min_round_nodes > self.min_nodes:
             raise ValueError(f"min_round_nodes ({self.min_round_nodes}) must not exceed min_nodes ({self.min_nodes})")
-        if self.dp is not None and self.strategy == "fedadam":
-            raise ValueError("dp: works with strategy fedavg or fedprox; fedadam's server step is not the averaged "
-                             "update the noise is calibrated to (set strategy: fedavg, or remove dp)")
+        if self.dp is not None and self.strategy not in ("fedavg", "fedprox"):
+            raise ValueError(f"dp: works with strategy fedavg or fedprox; {self.strategy}'s aggregate is not the "
+                             "average the noise is calibrated to (set strategy: fedavg, or remove dp)")
         if self.round_timeout_s <= self.balancer.round_deadline_s:
             raise ValueError(
                 f"round_timeout_s ({self.round_timeout_s:g}) must be larger than "

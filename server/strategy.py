@@ -34,7 +34,7 @@ from logging import INFO, WARNING
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx, Result
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedMedian, FedProx, FedTrimmedAvg, Krum, Result
 from flwr.supercore import log
 
 from collm.common import protocol as P
@@ -443,6 +443,29 @@ class CollmFedAdam(CollmRounds, FedAdam):
         self.v_t = state.get("v_t") or None
 
 
+class CollmFedMedian(CollmRounds, FedMedian):
+    """The coordinate-wise median of the kept updates (Flower's FedMedian), with the CoLLM round logic."""
+
+
+class CollmFedTrimmedAvg(CollmRounds, FedTrimmedAvg):
+    """The trimmed mean (`trim_beta` cut from each end, per value; Flower's FedTrimmedAvg)."""
+
+
+class CollmKrum(CollmRounds, Krum):
+    """The update closest to the others (Flower's Krum, `krum_malicious` assumed malicious)."""
+
+
+# strategy name -> (class, its own arguments from the config)
+STRATEGIES: dict[str, tuple[type, Callable[[ServerConfig], dict]]] = {
+    "fedavg": (CollmFedAvg, lambda cfg: {}),
+    "fedprox": (CollmFedProx, lambda cfg: {"proximal_mu": cfg.proximal_mu}),
+    "fedadam": (CollmFedAdam, lambda cfg: cfg.fedadam.model_dump()),
+    "fedmedian": (CollmFedMedian, lambda cfg: {}),
+    "fedtrimmedavg": (CollmFedTrimmedAvg, lambda cfg: {"beta": cfg.trim_beta}),
+    "krum": (CollmKrum, lambda cfg: {"num_malicious_nodes": cfg.krum_malicious}),
+}
+
+
 def build_strategy(cfg: ServerConfig, round_offset: int = 0,
                    server_state: dict[str, dict[str, np.ndarray]] | None = None) -> CollmRounds:
     """The strategy named by `cfg.strategy`. flwr samples every connected edge for the round's load
@@ -453,12 +476,8 @@ def build_strategy(cfg: ServerConfig, round_offset: int = 0,
                   fraction_evaluate=cfg.fraction_evaluate, min_train_nodes=cfg.min_nodes,
                   min_evaluate_nodes=cfg.min_nodes if cfg.fraction_evaluate >= 1 else 1,
                   min_available_nodes=cfg.min_nodes)
-    if cfg.strategy == "fedprox":
-        strategy: CollmRounds = CollmFedProx(proximal_mu=cfg.proximal_mu, **common)
-    elif cfg.strategy == "fedadam":
-        strategy = CollmFedAdam(**cfg.fedadam.model_dump(), **common)
-    else:
-        strategy = CollmFedAvg(**common)
+    cls, own = STRATEGIES[cfg.strategy]
+    strategy: CollmRounds = cls(**own(cfg), **common)
     if server_state:
         strategy.restore_server_state(server_state)
     return strategy

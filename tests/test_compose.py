@@ -520,6 +520,7 @@ def test_tls_profile_services_run_natively_and_complete_a_round(tmp_path, monkey
     # which reaches the edges with COLLM_EDGE_KEYS (the edges refuse anything else)
     monkeypatch.setenv("COLLM_API_KEYS", "client-key")
     monkeypatch.setenv("COLLM_EDGE_KEYS", "edge-key")
+    monkeypatch.setenv("COLLM_FEDERATION_KEY", "federation-key")  # the edges obey only the run signed with it
     lab = NativeCompose(TLS, tmp_path)
     t0 = time.monotonic()
     try:

@@ -170,3 +170,43 @@ def test_the_router_caps_requests_in_flight(edge):
             assert "api.max_in_flight" in r.json()["error"]["message"] and r.headers["Retry-After"] == "1"
     finally:
         router.close()
+
+
+def test_per_key_limits_a_rotated_key_file_and_the_admin_audit_log(tmp_path):
+    """auth.limits holds each key to its own rate and streams in flight (another key is not slowed), a key
+    written into the key file works without a restart, and every /admin/* call leaves an audit line."""
+    TOKEN = "tok-Zq9xWv"  # noqa: N806 - found in no path or digest by chance
+    keys = tmp_path / "keys"
+    keys.write_text("key-a\nkey-b\n")
+    audit = tmp_path / "audit.jsonl"
+    e = LiveEdge(tiny_config(state_dir=str(tmp_path / "s"), engine={"shed_late": False}, api={"admin": True},
+                             auth={"api_keys": {"file": str(keys)}, "admin_tokens": {"keys": [TOKEN]},
+                                   "reload_s": 0.05, "audit_log": str(audit),
+                                   "limits": {"requests_per_s": 1.0, "burst": 3, "max_in_flight": 1}}))
+    try:
+        one = {"prompt": "hi", "max_tokens": 1}
+        codes = [httpx.post(e.url + "/v1/completions", json=one, headers=bearer("key-a"), timeout=30).status_code
+                 for _ in range(5)]
+        assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429], codes  # the burst, then the rate
+        r = httpx.post(e.url + "/v1/completions", json=one, headers=bearer("key-a"), timeout=30)
+        assert r.json()["error"]["code"] == "rate_limited" and "auth.limits" in r.json()["error"]["message"]
+        assert int(r.headers["Retry-After"]) >= 1
+        assert httpx.post(e.url + "/v1/completions", json=one, headers=bearer("key-b"), timeout=30).status_code == 200
+        long = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", e.url + "/v1/completions", json=long, headers=bearer("key-b"), timeout=60) as s:
+            chunks = s.iter_raw()
+            next(chunks)  # key-b has one stream open: its limit
+            r = httpx.post(e.url + "/v1/completions", json=one, headers=bearer("key-b"), timeout=30)
+            assert r.status_code == 429, r.text
+        assert httpx.post(e.url + "/v1/completions", json=one, headers=bearer("key-c")).status_code == 401
+        keys.write_text("key-a\nkey-b\nkey-c\n")  # rotated in: no restart
+        time.sleep(0.2)
+        assert httpx.post(e.url + "/v1/completions", json=one, headers=bearer("key-c"), timeout=30).status_code == 200
+        assert httpx.post(e.url + "/admin/rollback", json={"version": 0}).status_code == 401
+        assert httpx.post(e.url + "/admin/rollback", json={"version": 0}, headers=bearer(TOKEN)).status_code == 200
+        lines = [json.loads(x) for x in audit.read_text().splitlines()]
+        assert [(x["path"], x["status"], x["who"] == "anonymous") for x in lines] == \
+            [("/admin/rollback", 401, True), ("/admin/rollback", 200, False)]
+        assert TOKEN not in audit.read_text() and lines[1]["who"].startswith("key:")
+    finally:
+        e.close()

@@ -574,7 +574,7 @@ def test_the_commented_dp_example_in_the_shipped_config_is_valid(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("balancer: {spare_use: 2}", "x.yaml: balancer.spare_use: expected less than or equal to 1, got 2"),
-    ("strategy: fedsgd", "x.yaml: strategy: expected 'fedavg', 'fedprox' or 'fedadam', got 'fedsgd'"),
+    ("strategy: fedsgd", "x.yaml: strategy: expected 'fedavg', 'fedprox', 'fedadam', 'fedmedian', 'fedtrimmedavg' or 'krum', got 'fedsgd'"),
     ("robust: {norm: 3}", "x.yaml: robust.norm: unknown key (allowed here: max_weight_ratio, norm_k, weighting)"),
     ("round_timeout_s: 60", "round_timeout_s (60) must be larger than balancer.round_deadline_s (120)"),
     ("fraction_train: 0", "x.yaml: fraction_train: expected greater than 0, got 0"),
@@ -634,3 +634,20 @@ def test_capped_weights():
     assert out[0] == 100 and np.isnan(out[1]) and out[2] == 0 and out[3] == 300  # bad claims stay for the screen
     assert capped_weights([5e9], 2) == [5e9] and capped_weights([100, 1e30], None) == [100, 1e30]
 
+
+
+@pytest.mark.parametrize("strategy", ["fedmedian", "fedtrimmedavg", "krum"])
+def test_a_robust_aggregation_keeps_a_poisoned_update_from_moving_the_global(tmp_path, strategy):
+    """Three training edges, one sending 100x its update, the norm screen off: FedAvg would follow it; the
+    median, the trimmed mean (beta 0.34: one of three cut at each end) and Krum stay with the honest two."""
+    grid = make_grid(busy={"scale_from_round": 1}, slow={"attainment": 0.99})
+    cfg = server_cfg(tmp_path, strategy=strategy, trim_beta=0.34, krum_malicious=1, robust={"norm_k": 1e9})
+    result = build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=1, timeout=cfg.round_timeout_s)
+    init = seeded_initial_adapter()
+    honest = sorted(EDGES[n].delta() for n in ("idle", "slow"))
+    for k in KEYS:
+        moved = result.arrays[k].numpy() - init[k]
+        assert np.all(moved >= honest[0] - 1e-6) and np.all(moved <= honest[1] + 1e-6), (strategy, k)
+    from collm.server.strategy import STRATEGIES
+
+    assert load_round(cfg.checkpoint_dir, 1).metrics["strategy"] == STRATEGIES[strategy][0].__name__

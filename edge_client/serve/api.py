@@ -8,7 +8,7 @@ import time
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from collm.common.auth import Keys, install
+from collm.common.auth import KeyRing, install
 from collm.common.http_guard import BodyLimit
 from collm.edge_client.runtime import EdgeRuntime
 from collm.edge_client.serve.admin import admin_routes
@@ -21,9 +21,9 @@ from collm.edge_client.serve.models import model_ids
 def create_app(rt: EdgeRuntime) -> FastAPI:
     app = FastAPI(title="collm-edge", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=rt.cfg.api.max_body_bytes, setting="api.max_body_bytes")
-    keys = Keys.from_config(rt.cfg.auth)
-    rt.cfg.check_admin_keys(keys)
-    install(app, keys)  # outermost: a request without a key is refused before its body is read
+    ring = KeyRing(rt.cfg.auth)
+    rt.cfg.check_admin_keys(ring.keys)
+    install(app, ring)  # outermost: a request without a key is refused before its body is read
     state: dict = {"metrics": None}
 
     def metrics() -> EdgeMetrics:
