@@ -51,7 +51,7 @@ from collm.common.procs import BIN_DIR
 from collm.common.stats import mean_ci
 from collm.common.traces import TraceRequest
 from collm.lab.bench_analysis import add_quality, combine_passes, max_sustained_rate, search_capacity, window_span
-from collm.lab.bench_config import BenchConfig, edge_policy, is_collm, mode_roles, router_policy
+from collm.lab.bench_config import BenchConfig, edge_policy, is_collm, mode_roles, router_policy, variant_of
 from collm.lab.bench_quality import QualityJudge, served_loss_timeline
 from collm.lab.loadgen import Outcome, Planned, replay, summarize
 from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
@@ -140,7 +140,7 @@ class ModeRun:
             self.edges.append(edge_config(
                 cfg.model, name, out, categories=parts[i],
                 superlink=self.superlink if "train" in role else None,
-                overrides=deep_merge(cfg.edge, {
+                overrides=deep_merge(deep_merge(cfg.edge, variant_of(mode, cfg.variants).edge), {
                     "slo": {"ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}, "training": training,
                     "model": {"cpu_affinity": cores, "threads": len(cores)},
                     **({"engine": {"timeline": str(out / f"timeline-{name}.jsonl")}} if cfg.timeline else {}),
@@ -167,9 +167,10 @@ class ModeRun:
             wait_http(url + "/health", g, 900 if self.cfg.model == "bundled" else 120, f"edge {name}")
         serving = [e for e, role in zip(self.edges, self.roles) if "serve" in role]
         router_port = free_port()
-        rcfg = {"api": {"host": "127.0.0.1", "port": router_port},
-                "edges": [{"name": e.name, "url": self.urls[e.name]} for e in serving],
-                "routing": {"policy": router_policy(self.mode, self.cfg.collm_routing)}}
+        rcfg = deep_merge({"routing": {"policy": router_policy(self.mode, self.cfg.collm_routing)}},
+                          variant_of(self.mode, self.cfg.variants).router)
+        rcfg.update({"api": {"host": "127.0.0.1", "port": router_port},
+                     "edges": [{"name": e.name, "url": self.urls[e.name]} for e in serving]})
         (self.out / "router.yaml").write_text(yaml.safe_dump(rcfg))
         g.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(self.out / "router.yaml")])
         self.router = f"http://127.0.0.1:{router_port}"

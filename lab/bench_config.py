@@ -11,8 +11,17 @@ from collm.common.errors import UserError
 from collm.common.traces import TraceRequest, TraceScaling, bursts, load_trace, trace_segment
 
 MODES = ("collm", "isolated", "colocated-naive", "serve-only")
-"""The modes a bench runs unless its config names others."""
-Mode = Literal["collm", "isolated", "colocated-naive", "serve-only", "collm-pack"]
+"""The modes a bench runs unless its config names others; `collm-<variant>` runs a variant of collm beside it."""
+Mode = Literal["collm", "isolated", "colocated-naive", "serve-only"]  # collm-sim's modes (no variants there)
+
+
+class Variant(Strict):
+    """A variant of collm for a same-run A/B (mode `collm-<name>`): collm with these configs merged in."""
+
+    router: dict = Field(default_factory=dict, description="merged into its router's config, e.g. "
+                         "{routing: {admission: false}}")
+    edge: dict = Field(default_factory=dict, description="merged into its edges' configs, e.g. "
+                       "{training: {feedback: {f_max: 0.5}}}")
 
 
 class BurstConfig(Strict):
@@ -115,10 +124,14 @@ class BenchConfig(Strict):
     model: Literal["tiny", "bundled"] = "tiny"
     replicas: int = Field(2, ge=2, description="edge processes in every mode (isolated: half serve, half train); "
                                                "each is pinned to its own share of the cores")
-    modes: list[Mode] = Field(
+    modes: list[str] = Field(
         default_factory=lambda: list(MODES), min_length=1,
-        description="modes to compare (collm-pack only when named); serve-only always runs first (it measures "
-                    "the capacity and is every ratio's baseline) and is always reported")
+        description="modes to compare (collm, isolated, colocated-naive, serve-only, and collm-<variant> for each "
+                    "variant named); serve-only always runs first (it measures the capacity and is every ratio's "
+                    "baseline) and is always reported")
+    variants: dict[str, Variant] = Field(default_factory=dict, description="collm variants for a same-run A/B, by "
+                                         "name: mode collm-<name> is collm with the variant's router and edge "
+                                         "configs merged in")
     warmup_s: float = Field(5.0, ge=0, description="run each topology this long before its first point")
     ttft_ms: float = Field(1000.0, gt=0, allow_inf_nan=False)
     tpot_ms: float = Field(100.0, gt=0, allow_inf_nan=False)
@@ -152,6 +165,11 @@ class BenchConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> BenchConfig:
+        for m in self.modes:
+            if m not in MODES and not (m.startswith("collm-") and m[len("collm-"):] in self.variants):
+                named = ", ".join(f"collm-{v}" for v in self.variants) or "none"
+                raise ValueError(f"modes: {m!r} is not a mode; use {', '.join(MODES)} or collm-<variant> for a "
+                                 f"variant under `variants:` (named: {named})")
         if self.busy_share > 0 and self.co_schedule != "work_conserving":
             raise ValueError(f"busy_share ({self.busy_share:g}) is a setting of co_schedule: work_conserving (collm's "
                              f"co_schedule is {self.co_schedule}, which sets the share itself)")
@@ -161,16 +179,19 @@ class BenchConfig(Strict):
 
 
 def is_collm(mode: str) -> bool:
-    """collm, or a variant of it run beside it for an A/B (collm-pack: routed by slo_pack)."""
+    """collm, or a variant of it run beside it for an A/B (`collm-<variant>`)."""
     return mode.startswith("collm")
 
 
+def variant_of(mode: str, variants: dict[str, Variant]) -> Variant:
+    """The variant a mode runs (collm and the baselines: none, an empty one)."""
+    return variants.get(mode[len("collm-"):], Variant()) if mode.startswith("collm-") else Variant()
+
+
 def router_policy(mode: str, collm_routing: str) -> str:
-    """The router's policy in a mode: collm's is the config's (collm-pack's slo_pack); the others route
-    round robin (one serving replica, or replicas that all look alike)."""
-    if mode == "collm-pack":
-        return "slo_pack"
-    return collm_routing if mode == "collm" else "round_robin"
+    """The router's policy in a mode: collm's (and its variants', unless they set one) is the config's; the
+    others route round robin (one serving replica, or replicas that all look alike)."""
+    return collm_routing if is_collm(mode) else "round_robin"
 
 
 def edge_policy(mode: str, collm_policy: str) -> str:

@@ -13,10 +13,24 @@ from pathlib import Path
 
 from collm.lab.bench_analysis import split_passes, widened_ratio
 
-RATIOS = (("collm", "isolated"), ("collm", "colocated-naive"), ("collm", "serve-only"), ("collm-pack", "collm"),
-          ("collm-pack", "isolated"), ("collm-pack", "serve-only"))  # those whose modes ran
-COLORS = {"collm": "#2b7bba", "isolated": "#d95f02", "colocated-naive": "#7570b3", "serve-only": "#66a61e",
-          "collm-pack": "#1b9e77"}
+COLORS = {"collm": "#2b7bba", "isolated": "#d95f02", "colocated-naive": "#7570b3", "serve-only": "#66a61e"}
+VARIANT_COLORS = ("#1b9e77", "#e7298a", "#a6761d", "#666666")
+
+
+def ratio_pairs(modes) -> list[tuple[str, str]]:
+    """Which modes are compared: collm against each baseline, and each collm variant against collm and the
+    baselines (those whose modes ran)."""
+    pairs = [("collm", "isolated"), ("collm", "colocated-naive"), ("collm", "serve-only")]
+    for v in (m for m in modes if m.startswith("collm-")):
+        pairs += [(v, "collm"), (v, "isolated"), (v, "serve-only")]
+    return pairs
+
+
+def color(mode: str, modes) -> str | None:
+    variants = [m for m in modes if m.startswith("collm-")]
+    if mode in variants:
+        return VARIANT_COLORS[variants.index(mode) % len(VARIANT_COLORS)]
+    return COLORS.get(mode)
 
 
 def _fmt(v, nd=3) -> str:
@@ -33,7 +47,7 @@ def point_ratios(results: dict, resamples: int) -> dict[str, list[dict]]:
     (`bench_analysis.widened_ratio`)."""
     modes = results["modes"]
     out: dict[str, list[dict]] = {}
-    for a, b in RATIOS:
+    for a, b in ratio_pairs(modes):
         if a not in modes or b not in modes:
             continue
         rows = []
@@ -96,9 +110,9 @@ def _plots(results: dict, paths: dict) -> None:
     with _figure(paths["goodput_png"], "Goodput against offered load (95% CI)") as ax:
         for m, r in modes.items():
             pts = r["points"]
-            ax.plot([x(p) for p in pts], [p["goodput_rps"] for p in pts], marker="o", label=m, color=COLORS.get(m))
+            ax.plot([x(p) for p in pts], [p["goodput_rps"] for p in pts], marker="o", label=m, color=color(m, modes))
             ax.fill_between([x(p) for p in pts], [p["goodput_ci"][0] for p in pts], [p["goodput_ci"][1] for p in pts],
-                            alpha=0.2, color=COLORS.get(m))
+                            alpha=0.2, color=color(m, modes))
         _again(ax, results, x, "goodput_again")
         ax.set_xlabel("offered load (x serve-only capacity)")
         ax.set_ylabel("goodput (req/s meeting every SLO)")
@@ -108,7 +122,7 @@ def _plots(results: dict, paths: dict) -> None:
         for m, r in modes.items():
             pts = r["points"]
             ax.errorbar([x(p) for p in pts], [p["slo_attainment"] for p in pts], marker="o", label=m,
-                        color=COLORS.get(m), capsize=3,
+                        color=color(m, modes), capsize=3,
                         yerr=[[p["slo_attainment"] - p["attainment_ci"][0] for p in pts],
                               [p["attainment_ci"][1] - p["slo_attainment"] for p in pts]])
         _again(ax, results, x, "attainment_again")
@@ -124,7 +138,7 @@ def _plots(results: dict, paths: dict) -> None:
                 continue
             pts = r["points"]
             ax.plot([x(p) for p in pts], [p["train_tokens_per_s"] for p in pts], marker="o", label=m,
-                    color=COLORS.get(m))
+                    color=color(m, modes))
         ax.set_xlabel("offered load (x serve-only capacity)")
         ax.set_ylabel("training tokens/s (all replicas)")
         ax.legend()
@@ -136,7 +150,7 @@ def _plots(results: dict, paths: dict) -> None:
                 end = run.get("wall_s") or max(p["t"] for p in pts)
                 xs = [max(p["t"], 0.0) for p in pts] + [end]
                 ys = [p["loss"] for p in pts] + [pts[-1]["loss"]]
-                ax.step(xs, ys, where="post", label=m if k == 0 else f"{m} (pass {k + 1})", color=COLORS.get(m),
+                ax.step(xs, ys, where="post", label=m if k == 0 else f"{m} (pass {k + 1})", color=color(m, modes),
                         linestyle="-" if k == 0 else "--")
         ax.set_xlabel("seconds after the mode's first load point started")
         ax.set_ylabel("served adapter: held-out loss")
@@ -161,7 +175,7 @@ def _tradeoff_plot(results: dict, path) -> None:
             for m, r in modes.items():
                 p = r["points"][i]
                 lo, hi = p["goodput_ci"]
-                ax.errorbar([p["goodput_rps"]], [p["train_tokens_per_s"]], capsize=3, marker="o", color=COLORS.get(m),
+                ax.errorbar([p["goodput_rps"]], [p["train_tokens_per_s"]], capsize=3, marker="o", color=color(m, modes),
                             label=m, xerr=[[p["goodput_rps"] - lo], [hi - p["goodput_rps"]]])
             ax.set_title(f"{f:g}× capacity", fontsize=9)
             ax.set_xlabel("goodput (req/s)", fontsize=8)

@@ -229,3 +229,19 @@ def test_bursts_keep_the_mean_rate_and_crowd_arrivals_into_the_on_phases():
         validate_config(BenchConfig, {"trace": {"burst": {"peak": 4.0, "duty": 0.3}}}, "test")
     seg = TraceConfig(burst={"period_s": 30.0, "peak": 2.5, "duty": 0.3}).segment(even, 2.0, 100.0, 10)
     assert len(seg) == 200 and seg[-1].arrival_s == pytest.approx(99.5, abs=15.0)
+
+
+def test_a_collm_variant_is_named_by_config_and_compared_with_collm_and_the_baselines():
+    from pydantic import ValidationError
+
+    from collm.lab.bench_config import router_policy, variant_of
+    from collm.lab.bench_report import ratio_pairs
+
+    cfg = BenchConfig.model_validate({"modes": ["collm", "collm-noadmit", "isolated"],
+                                      "variants": {"noadmit": {"router": {"routing": {"admission": False}}}}})
+    assert variant_of("collm-noadmit", cfg.variants).router == {"routing": {"admission": False}}
+    assert variant_of("collm", cfg.variants).router == {} and variant_of("isolated", cfg.variants).edge == {}
+    assert router_policy("collm-noadmit", "slo") == "slo" and router_policy("isolated", "slo") == "round_robin"
+    assert ("collm-noadmit", "collm") in ratio_pairs(["serve-only", "collm", "collm-noadmit"])
+    with pytest.raises(ValidationError, match="collm-pack' is not a mode.*named: collm-noadmit"):
+        BenchConfig.model_validate({"modes": ["collm-pack"], "variants": {"noadmit": {}}})
