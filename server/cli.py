@@ -42,8 +42,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def status_main(argv: list[str]) -> int:
+    """`collm-server status CHECKPOINT_DIR`: the run's rounds from its checkpoints, while it runs and after."""
+    p = argparse.ArgumentParser(prog="collm-server status", description=status_main.__doc__)
+    p.add_argument("checkpoint_dir", help="the ServerApp's checkpoint_dir (configs/server.yaml)")
+    args = p.parse_args(argv)
+    from collm.common.rounds import read_status
+    from collm.server.app import summary_table
+    from collm.server.checkpoints import load_all_metrics
+
+    d = Path(args.checkpoint_dir)
+    if not d.is_dir():
+        raise UserError(f"{d}: no such folder; give the ServerApp's checkpoint_dir")
+    metrics = load_all_metrics(d)
+    now = read_status(d)
+    print(summary_table(metrics))
+    for r, m in sorted(metrics.items()):
+        notes = [f"{e}: {why}" for e, why in sorted((m.get("dropped") or {}).items())]
+        notes += [f"{e}: weighed as {w:g} (claimed more)" for e, w in sorted((m.get("capped") or {}).items())]
+        if m.get("training_skipped"):
+            notes.append(f"no training: {m['training_skipped']}")
+        if notes:
+            print(f"round {r}: " + "; ".join(notes))
+    if now is not None:
+        print(f"now: round {now.get('round')}, {now.get('phase')}")
+    return 0
+
+
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["status"]:
+        return status_main(argv[1:])
     args = build_parser().parse_args(argv)
     quiet_flower()
     with _as_user_error():

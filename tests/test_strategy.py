@@ -651,3 +651,20 @@ def test_a_robust_aggregation_keeps_a_poisoned_update_from_moving_the_global(tmp
     from collm.server.strategy import STRATEGIES
 
     assert load_round(cfg.checkpoint_dir, 1).metrics["strategy"] == STRATEGIES[strategy][0].__name__
+
+
+def test_collm_server_status_prints_the_rounds_from_the_checkpoints(tmp_path, capsys):
+    from collm.server.cli import main
+
+    grid = make_grid(busy={"malformed": "strings"})
+    cfg = server_cfg(tmp_path)
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=2, timeout=cfg.round_timeout_s)
+    with pytest.raises(SystemExit) as done:
+        main(["status", cfg.checkpoint_dir])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert "holdout eval loss per edge" in out and "round 2: busy: malformed reply" in out
+    assert out.strip().endswith("now: round 2, complete")
+    with pytest.raises(SystemExit) as e:
+        main(["status", str(tmp_path / "nope")])
+    assert e.value.code == 2 and "no such folder" in capsys.readouterr().err
