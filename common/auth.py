@@ -144,13 +144,20 @@ class KeyRing:
             self._checked = now
             stamp = self._files()
             if stamp != self._stamp:
-                self._stamp = stamp
                 try:
-                    self.keys = Keys.from_config(self.cfg, self.where)
-                    log.info("%s: key files changed; %d API key(s), %d admin token(s) now", self.where,
-                             len(self.keys.api), len(self.keys.admin))
-                except UserError as e:
+                    keys = Keys.from_config(self.cfg, self.where)
+                except UserError as e:  # the stamp stays: the next check reads the file again
                     log.warning("%s: kept the previous keys: %s", self.where, e)
+                    return self.keys
+                self._stamp = stamp
+                if (self.keys.api and not keys.api) or (self.keys.admin and not keys.admin):
+                    # an emptied file (or one caught between truncate and write) would open the door
+                    log.warning("%s: a key file now holds no key; kept the previous keys (remove the source from "
+                                "the config, and restart, to open that surface)", self.where)
+                    return self.keys
+                self.keys = keys
+                log.info("%s: key files changed; %d API key(s), %d admin token(s) now", self.where,
+                         len(self.keys.api), len(self.keys.admin))
         return self.keys
 
 
@@ -189,7 +196,9 @@ class KeyCheck:
             return await send(body)
         if self.limiter is None or not path.startswith("/v1"):
             return await self.app(scope, receive, send)
-        who = client_id(bearer(auth), (scope.get("client") or ("?",))[0])
+        # a key names the client only where keys are required (it then matched one): on an open API a made-up
+        # token per request would get a fresh bucket each time, so the address names the client there
+        who = client_id(bearer(auth) if self.ring.keys.api else None, (scope.get("client") or ("?",))[0])
         wait = self.limiter.admit(who, time.monotonic())
         if wait is not None:
             lim = self.ring.cfg.limits

@@ -4,8 +4,8 @@ A rename alone is atomic for readers but not durable: after a power cut the new 
 data that never reached the disk. So every write here is write, fsync, rename, fsync the folder.
 
 A state that spans several files (an adapter's weights, its config, the version it is served as) is
-a *generation*: a folder `<name>@<n>` filled and synced first, then made current by one atomic
-flip of the symlink `<name>` (a rename). A crash leaves either the old generation current or the
+a *generation*: a folder `<name>@<n>` (n counts up) filled and synced under a temporary name, renamed
+whole, then made current by one atomic flip of the symlink `<name>` (a rename). A crash leaves either the old generation current or the
 new one, never a mix; the previous generation is kept, so a reader that finds the current one
 torn (a disk that lied) can fall back to it (`generations`).
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -74,13 +73,18 @@ def publish_generation(parent: str | Path, name: str, fill: Callable[[Path], Non
     link = parent / name
     if link.is_dir() and not link.is_symlink():  # the layout before generations: keep it as a fallback
         os.replace(link, parent / f"{name}@0")
-    gen = parent / f"{name}@{time.time_ns()}"
-    gen.mkdir()
+    for leftover in parent.glob(f".{name}@*.tmp"):  # a fill a crash interrupted
+        shutil.rmtree(leftover, ignore_errors=True)
+    # a counter, not the clock: a clock stepped back (a board without an RTC) must not make a new one look old
+    gen = parent / f"{name}@{max((_stamp(p) for p in parent.glob(f'{name}@*')), default=0) + 1}"
+    tmp_gen = parent / f".{gen.name}.tmp"  # filled under a name readers never take, renamed once whole
+    tmp_gen.mkdir()
     try:
-        fill(gen)
-        sync_tree(gen)
+        fill(tmp_gen)
+        sync_tree(tmp_gen)
+        os.replace(tmp_gen, gen)
     except BaseException:
-        shutil.rmtree(gen, ignore_errors=True)
+        shutil.rmtree(tmp_gen, ignore_errors=True)
         raise
     tmp = parent / f".{name}.link.tmp"
     tmp.unlink(missing_ok=True)
@@ -103,11 +107,12 @@ def generations(parent: str | Path, name: str) -> list[Path]:
         current = target if target.is_dir() else None
     elif link.is_dir():
         current = link
-    def stamp(p: Path) -> int:
-        try:
-            return int(p.name.rsplit("@", 1)[1])
-        except (IndexError, ValueError):
-            return -1
-
-    others = sorted((p for p in parent.glob(f"{name}@*") if p.is_dir() and p != current), key=stamp, reverse=True)
+    others = sorted((p for p in parent.glob(f"{name}@*") if p.is_dir() and p != current), key=_stamp, reverse=True)
     return ([current] if current is not None else []) + others
+
+
+def _stamp(p: Path) -> int:
+    try:
+        return int(p.name.rsplit("@", 1)[1])
+    except (IndexError, ValueError):
+        return -1

@@ -30,8 +30,9 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"].encode() not in BODY_METHODS:
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None:
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        if declared is not None and b"transfer-encoding" not in headers:  # chunked framing wins: count it below
             try:
                 n = int(declared)
             except ValueError:

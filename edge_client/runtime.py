@@ -109,10 +109,13 @@ class EdgeRuntime:
         """Serve round `rnd`'s global adapter unless this edge has served that round or a later one. Rounds, not
         version numbers, decide: an admin publish may have taken the next version numbers, so the global gets
         the next free version above them (it is then version != round, and /v1/models says both)."""
-        if rnd <= self.latest_round:
-            return False
-        version = max(rnd, self.engine.shadow.latest_version + 1)
-        return self.publish(state, version, round=rnd, eval_loss=eval_loss, source=source)
+        for _ in range(100):  # a concurrent (admin) publish may take the number chosen: take the next one
+            if rnd <= self.latest_round:
+                return False
+            version = max(rnd, self.engine.shadow.latest_version + 1)
+            if self.publish(state, version, round=rnd, eval_loss=eval_loss, source=source):
+                return True
+        return False
 
     def rollback(self, version: int) -> VersionInfo:
         """Serve the retained `version` again (persisted first, like a publish); UnknownVersion if not retained."""
@@ -130,8 +133,11 @@ class EdgeRuntime:
         found = read_serving(self.state_dir, problems)
         if found is not None:
             state, meta = found
-            engine.shadow.publish(state, int(meta["version"]), round=meta.get("round"),
-                                  eval_loss=meta.get("eval_loss"), source="restored")
+            try:
+                engine.shadow.publish(state, int(meta["version"]), round=meta.get("round"),
+                                      eval_loss=meta.get("eval_loss"), source="restored")
+            except StaleVersion:  # e.g. a rollback to the initial adapter, version 0: already served
+                log.info("edge %s: saved serving version %s is the initial adapter", self.cfg.name, meta["version"])
             rounds = [r for r in (meta.get("latest_round"), meta.get("round")) if isinstance(r, int)]
             self.latest_round = max(rounds, default=self.latest_round)
             log.info("edge %s: restored serving adapter version %s", self.cfg.name, meta["version"])

@@ -40,7 +40,8 @@ def read_serving(state_dir: Path, problems: Callable[[dict], list[str]]) -> tupl
     """(adapter state, version info) of the newest readable serving generation whose shapes fit
     (`problems(state)` empty), or None."""
     for d in generations(state_dir, SERVING):
-        meta_path = d / META if (d / META).is_file() else d.parent / META  # the old layout keeps it beside
+        old_layout = d.name in (SERVING, f"{SERVING}@0")  # it kept serving.json beside the folder
+        meta_path = d.parent / META if old_layout and not (d / META).is_file() else d / META
         try:
             meta = json.loads(meta_path.read_text())
             int(meta["version"])

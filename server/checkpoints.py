@@ -78,7 +78,11 @@ def load_round(directory: str | Path, r: int) -> RoundCheckpoint:
     state, cfg = load_adapter(d)
     server_state: dict[str, dict[str, np.ndarray]] = {}
     if (d / SERVER_STATE_FILE).is_file():
-        for key, t in load_file(str(d / SERVER_STATE_FILE)).items():
+        try:
+            saved = load_file(str(d / SERVER_STATE_FILE))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a torn file
+            raise UserError(f"{d / SERVER_STATE_FILE}: not readable ({type(e).__name__}: {e})") from None
+        for key, t in saved.items():
             group, name = key.split("/", 1)
             server_state.setdefault(group, {})[name] = t.numpy()
     return RoundCheckpoint(

@@ -154,3 +154,22 @@ def test_kill_9_during_every_kind_of_write_leaves_a_consistent_state(tmp_path):
         seen_status = seen_status or status is not None
         last = v
     assert last > 10  # the writer got through many writes in all
+
+
+def test_a_partial_generation_never_displaces_the_fallback(tmp_path):
+    for v in (1, 2):
+        write_serving(tmp_path, state_of(v), {"version": v}, LORA, "m")
+    (tmp_path / ".serving@9.tmp").mkdir()  # a fill a crash interrupted
+    write_serving(tmp_path, state_of(3), {"version": 3}, LORA, "m")
+    assert [read_serving(tmp_path, lambda s: [])[1]["version"]] == [3]
+    assert [g.name for g in generations(tmp_path, "serving")] == ["serving@3", "serving@2"]
+    assert not (tmp_path / ".serving@9.tmp").exists()
+
+
+def test_a_generation_without_its_version_file_is_skipped_not_paired_with_a_stale_one(tmp_path):
+    (tmp_path / "serving.json").write_text(json.dumps({"version": 99}))  # left over from the old layout
+    for v in (1, 2):
+        write_serving(tmp_path, state_of(v), {"version": v}, LORA, "m")
+    (generations(tmp_path, "serving")[0] / "serving.json").unlink()
+    state, meta = read_serving(tmp_path, lambda s: [])
+    assert meta["version"] == 1 and float(state[KEY][0, 0]) == 1

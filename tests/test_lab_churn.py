@@ -123,9 +123,12 @@ def test_the_leaving_edge_is_skipped_without_failing_the_round(lab):
     assert any(e["edge"] == "edge0" and e.get("left") for e in events)
     assert "edge0 leaves: stopped" in lab["stdout"]
     m3 = lab["metrics"][3]
-    assert {d["edge"]: d["take_part"] for d in m3["balancer"]}.get("edge0") is True  # it left mid-round
-    # it either answered before it stopped (its update counts) or the SuperLink answered for it
-    assert "edge0" in m3["kept"] or m3["dropped"]["edge0"].startswith("error reply")
+    asked = {d["edge"]: d for d in m3["balancer"]}.get("edge0")
+    if asked is not None and asked["take_part"]:  # it left mid-round
+        # it either answered before it stopped (its update counts) or the SuperLink answered for it
+        assert "edge0" in m3["kept"] or m3["dropped"]["edge0"].startswith("error reply")
+    else:  # fraction_train chose the other two (a tie with edge2 broken by spare capacity): it left idle
+        assert asked is None or asked["reason"].startswith("not chosen"), asked
     assert "error" in m3["eval"].get("edge0", {"error": "not asked"})  # it never evaluates round 3's global
     assert len(m3["kept"]) >= 1
 
