@@ -24,6 +24,7 @@ from pydantic import Field
 
 from collm.common.config import Strict
 from collm.common.errors import UserError
+from collm.common.http_guard import json_reply
 from collm.common.limits import Limiter, RateLimit, client_id, retry_after
 from collm.common.protocol import error_body
 
@@ -161,13 +162,6 @@ class KeyRing:
         return self.keys
 
 
-def _reply(status: int, body: dict, extra: list | None = None):
-    data = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    return ({"type": "http.response.start", "status": status, "headers": headers + (extra or [])},
-            {"type": "http.response.body", "body": data})
-
-
 class KeyCheck:
     """ASGI middleware, the HTTP door: every request checked against the keys on the routed path, /v1/* held
     to the per-key limits, every /admin/* call audited. Plain ASGI: a streamed response passes straight
@@ -187,13 +181,28 @@ class KeyCheck:
         # scope["path"] is the path the app routes on; request.url.path is rebuilt from the Host header, which a
         # client can poison to skip this check (CVE-2026-48710; starlette >= 1.0.1 is pinned as well)
         auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        if not path.startswith("/admin"):
+            return await self._checked(scope, receive, send, path, auth)
+        audited = False
+
+        async def watched(message):  # the audit line is written before the answer leaves
+            nonlocal audited
+            if message["type"] == "http.response.start" and not audited:
+                audited = True
+                self._audit(scope, auth, message["status"])
+            await send(message)
+
+        try:
+            await self._checked(scope, receive, watched, path, auth)
+        finally:
+            if not audited:  # the app failed before it answered
+                self._audit(scope, auth, None)
+
+    async def _checked(self, scope, receive, send, path: str, auth: str | None):
         refused = refusal(path, auth, self.ring.current())
-        if path.startswith("/admin"):
-            return await self._audited(scope, receive, send, auth, refused)
         if refused is not None:
-            start, body = _reply(*refused, [(b"www-authenticate", b"Bearer")] if refused[0] == 401 else None)
-            await send(start)
-            return await send(body)
+            status, body = refused
+            return await json_reply(send, status, body, [(b"www-authenticate", b"Bearer")] if status == 401 else None)
         if self.limiter is None or not path.startswith("/v1"):
             return await self.app(scope, receive, send)
         # a key names the client only where keys are required (it then matched one): on an open API a made-up
@@ -202,45 +211,28 @@ class KeyCheck:
         wait = self.limiter.admit(who, time.monotonic())
         if wait is not None:
             lim = self.ring.cfg.limits
-            start, body = _reply(429, error_body(
+            return await json_reply(send, 429, error_body(
                 f"this key's limit ({lim.requests_per_s or 'no'} requests/s, burst {lim.burst}; "
                 f"{lim.max_in_flight or 'no limit on'} in flight: auth.limits) is reached; retry after "
                 f"{retry_after(wait)} s", "rate_limit_error", code="rate_limited"),
                 [(b"retry-after", retry_after(wait).encode())])
-            await send(start)
-            return await send(body)
         try:
             return await self.app(scope, receive, send)
         finally:
             self.limiter.release(who)
 
-    async def _audited(self, scope, receive, send, auth, refused) -> None:
-        status = [None]
-
-        async def watched(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            if refused is not None:
-                start, body = _reply(*refused, [(b"www-authenticate", b"Bearer")] if refused[0] == 401 else None)
-                await watched(start)
-                await send(body)
-            else:
-                await self.app(scope, receive, watched)
-        finally:
-            token = bearer(auth)
-            entry = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "method": scope["method"],
-                     "path": scope["path"][:200], "who": client_id(token, None) if token else "anonymous",
-                     "client": (scope.get("client") or ("?",))[0], "status": status[0]}
-            log.info("admin call: %s", json.dumps(entry))
-            if self.audit is not None:
-                try:
-                    with open(self.audit, "a") as f:
-                        f.write(json.dumps(entry) + "\n")
-                except OSError as e:
-                    log.warning("auth.audit_log: cannot append to %s (%s)", self.audit, e)
+    def _audit(self, scope, auth: str | None, status: int | None) -> None:
+        token = bearer(auth)
+        entry = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "method": scope["method"],
+                 "path": scope["path"][:200], "who": client_id(token, None) if token else "anonymous",
+                 "client": (scope.get("client") or ("?",))[0], "status": status}
+        log.info("admin call: %s", json.dumps(entry))
+        if self.audit is not None:
+            try:
+                with open(self.audit, "a") as f:
+                    f.write(json.dumps(entry) + "\n")
+            except OSError as e:
+                log.warning("auth.audit_log: cannot append to %s (%s)", self.audit, e)
 
 
 def install(app, ring: KeyRing) -> None:

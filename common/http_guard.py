@@ -14,11 +14,21 @@ import json
 from collm.common.protocol import error_body
 
 BODY_METHODS = (b"POST", b"PUT", b"PATCH")
+CLOSE = [(b"connection", b"close")]  # the rest of a refused body is never read: the connection cannot be reused
 
 
-def _too_large(size: str, limit: int, setting: str) -> bytes:
+async def json_reply(send, status: int, body: dict, headers: list | None = None) -> None:
+    """Answer a request at the ASGI level (a middleware, before any app) with a JSON body."""
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _too_large(size: str, limit: int, setting: str) -> dict:
     msg = f"the request body is {size}; this server takes at most {limit} bytes ({setting})"
-    return json.dumps(error_body(msg, "invalid_request_error", code="request_too_large")).encode()
+    return error_body(msg, "invalid_request_error", code="request_too_large")
 
 
 class BodyLimit:
@@ -36,10 +46,10 @@ class BodyLimit:
             try:
                 n = int(declared)
             except ValueError:
-                return await self._refuse(send, 400, json.dumps(error_body(
-                    "Content-Length is not a number", code="invalid_content_length")).encode())
+                return await json_reply(send, 400, error_body("Content-Length is not a number",
+                                                              code="invalid_content_length"), CLOSE)
             if n > self.max_bytes:
-                return await self._refuse(send, 413, _too_large(f"{n} bytes", self.max_bytes, self.setting))
+                return await json_reply(send, 413, _too_large(f"{n} bytes", self.max_bytes, self.setting), CLOSE)
             return await self.app(scope, receive, send)
         # no declared length: read at most the limit here, then replay what was read to the app
         chunks, size = [], 0
@@ -50,8 +60,8 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                return await self._refuse(send, 413, _too_large(f"over {self.max_bytes} bytes", self.max_bytes,
-                                                                self.setting))
+                return await json_reply(send, 413, _too_large(f"over {self.max_bytes} bytes", self.max_bytes,
+                                                              self.setting), CLOSE)
             if not message.get("more_body", False):
                 break
         body, replayed = b"".join(chunks), False
@@ -64,10 +74,3 @@ class BodyLimit:
             return {"type": "http.request", "body": body, "more_body": False}
 
         return await self.app(scope, replay, send)
-
-    @staticmethod
-    async def _refuse(send, status: int, body: bytes) -> None:
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})

@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from collm.common.auth import matches
+
 PROOF_KEY = "collm-run-proof"
 
 
@@ -28,8 +30,6 @@ def refusal(keys: tuple[str, ...], run_id: int, server_round: int, given: object
     if not isinstance(given, str):
         return (f"the message of run {run_id} carries no {PROOF_KEY}: it is not from this federation's ServerApp "
                 "(federation.run_key)")
-    ok = False
-    for k in keys:  # every key compared: the time does not tell which one matched
-        ok |= hmac.compare_digest(given, proof(k, run_id, server_round))
+    ok = matches(given, tuple(proof(k, run_id, server_round) for k in keys))  # constant time, every key
     return None if ok else (f"the message of run {run_id} round {server_round} has a {PROOF_KEY} made with another "
                             "key: it is not from this federation's ServerApp (federation.run_key)")

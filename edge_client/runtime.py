@@ -136,11 +136,11 @@ class EdgeRuntime:
             try:
                 engine.shadow.publish(state, int(meta["version"]), round=meta.get("round"),
                                       eval_loss=meta.get("eval_loss"), source="restored")
+                log.info("edge %s: restored serving adapter version %s", self.cfg.name, meta["version"])
             except StaleVersion:  # e.g. a rollback to the initial adapter, version 0: already served
                 log.info("edge %s: saved serving version %s is the initial adapter", self.cfg.name, meta["version"])
             rounds = [r for r in (meta.get("latest_round"), meta.get("round")) if isinstance(r, int)]
             self.latest_round = max(rounds, default=self.latest_round)
-            log.info("edge %s: restored serving adapter version %s", self.cfg.name, meta["version"])
         training = read_training(self.state_dir, problems) if engine.trainer is not None else None
         if training is not None:
             state, opt = training

@@ -39,22 +39,14 @@ def write_serving(state_dir: Path, state: dict, info: dict, lora: LoraConfig, mo
 def read_serving(state_dir: Path, problems: Callable[[dict], list[str]]) -> tuple[dict, dict] | None:
     """(adapter state, version info) of the newest readable serving generation whose shapes fit
     (`problems(state)` empty), or None."""
-    for d in generations(state_dir, SERVING):
+    def read(d: Path) -> tuple[dict, dict]:
         old_layout = d.name in (SERVING, f"{SERVING}@0")  # it kept serving.json beside the folder
         meta_path = d.parent / META if old_layout and not (d / META).is_file() else d / META
-        try:
-            meta = json.loads(meta_path.read_text())
-            int(meta["version"])
-            state, _ = load_adapter(d)
-        except Exception as e:  # noqa: BLE001 - torn, missing or foreign files: try the one before
-            log.warning("saved serving adapter %s is unreadable (%s: %s); trying the one before", d,
-                        type(e).__name__, str(e)[:200])
-            continue
-        if found := problems(state):
-            log.warning("saved serving adapter %s does not fit this model (%s); trying the one before", d, found[0])
-            continue
-        return state, meta
-    return None
+        meta = json.loads(meta_path.read_text())
+        int(meta["version"])
+        return load_adapter(d)[0], meta
+
+    return _newest_readable(state_dir, SERVING, read, problems)
 
 
 def write_training(state_dir: Path, state: dict, optimizer: dict, lora: LoraConfig, model_name: str) -> Path:
@@ -67,14 +59,25 @@ def write_training(state_dir: Path, state: dict, optimizer: dict, lora: LoraConf
 
 def read_training(state_dir: Path, problems: Callable[[dict], list[str]]) -> tuple[dict, dict | None] | None:
     """(training adapter state, optimizer state or None) of the newest readable generation, or None."""
-    for d in generations(state_dir, TRAINING):
+    def read(d: Path) -> tuple[dict, dict | None]:
+        opt = torch.load(d / OPTIMIZER, weights_only=True) if (d / OPTIMIZER).is_file() else None
+        return load_adapter(d)[0], opt
+
+    return _newest_readable(state_dir, TRAINING, read, problems)
+
+
+def _newest_readable(state_dir: Path, name: str, read: Callable[[Path], tuple], problems: Callable[[dict], list[str]]):
+    """`read(generation)` of the newest generation of `name` that reads whole and whose adapter fits, or None: a
+    torn, missing or foreign one is logged and the one before it tried."""
+    for d in generations(state_dir, name):
         try:
-            state, _ = load_adapter(d)
-            opt = torch.load(d / OPTIMIZER, weights_only=True) if (d / OPTIMIZER).is_file() else None
-        except Exception as e:  # noqa: BLE001 - as read_serving
-            log.warning("saved training state %s is unreadable (%s: %s); trying the one before", d,
-                        type(e).__name__, str(e)[:200])
+            found = read(d)
+        except Exception as e:  # noqa: BLE001 - torn, missing or foreign files: try the one before
+            log.warning("saved %s state %s is unreadable (%s: %s); trying the one before", name, d, type(e).__name__,
+                        str(e)[:200])
             continue
-        if not problems(state):
-            return state, opt
+        if why := problems(found[0]):
+            log.warning("saved %s state %s does not fit this model (%s); trying the one before", name, d, why[0])
+            continue
+        return found
     return None

@@ -69,7 +69,7 @@ def test_the_old_layout_is_read_and_then_kept_as_the_fallback(tmp_path):
     (tmp_path / "serving.json").write_text(json.dumps({"version": 4}))
     assert read_serving(tmp_path, lambda s: [])[1]["version"] == 4
     write_serving(tmp_path, state_of(5), {"version": 5}, LORA, "m")
-    assert [read_serving(tmp_path, lambda s: [])[1]["version"]] == [5]
+    assert read_serving(tmp_path, lambda s: [])[1]["version"] == 5
     assert [g.name for g in generations(tmp_path, "serving")][1] == "serving@0"
 
 
@@ -161,7 +161,7 @@ def test_a_partial_generation_never_displaces_the_fallback(tmp_path):
         write_serving(tmp_path, state_of(v), {"version": v}, LORA, "m")
     (tmp_path / ".serving@9.tmp").mkdir()  # a fill a crash interrupted
     write_serving(tmp_path, state_of(3), {"version": 3}, LORA, "m")
-    assert [read_serving(tmp_path, lambda s: [])[1]["version"]] == [3]
+    assert read_serving(tmp_path, lambda s: [])[1]["version"] == 3
     assert [g.name for g in generations(tmp_path, "serving")] == ["serving@3", "serving@2"]
     assert not (tmp_path / ".serving@9.tmp").exists()
 

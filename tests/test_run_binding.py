@@ -3,11 +3,10 @@ make an edge serve its adapter, and the CoLLM ServerApp signs every instruction 
 
 from uuid import uuid4
 
-import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from helpers import LiveEdge, random_adapter_state, tiny_config
-from test_strategy import LocalGrid, make_grid, server_cfg
+from test_strategy import LocalGrid, _task_identity, make_grid, server_cfg  # noqa: F401 - its autouse fixture
 
 from collm.common import protocol as P
 from collm.common import wire
@@ -16,14 +15,6 @@ from collm.edge_client.federation.client import FederatedEdge
 from collm.server.strategy import build_strategy
 
 KEY = "federation-secret"
-
-
-@pytest.fixture(autouse=True)
-def _task_identity():
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
 def test_the_proof_binds_key_run_and_round():
