@@ -36,3 +36,25 @@ SLO_TPOT = "collm_slo_tpot_seconds"
 MAX_CONTEXT = "collm_max_context_tokens"
 STEP_TOKEN_BUDGET = "collm_step_token_budget"
 SLO_SAFETY = "collm_slo_safety"
+
+# The ServerApp's round facts, served by `collm-server exporter CHECKPOINT_DIR` from the run's checkpoints
+# (server/exporter.py): Flower runs the ServerApp in a process of its own that ends with the run, so the
+# checkpoints (written once per round, durable) are what a scrape reads, during the run and after it.
+SERVER_ROUND = "collm_server_round"  # the last complete round
+SERVER_ROUNDS = "collm_server_rounds_total"
+SERVER_RUN_ACTIVE = "collm_server_run_active"  # 1 from the first round's start until the run has finished
+SERVER_ROUND_END = "collm_server_last_round_end_timestamp_seconds"
+SERVER_ROUND_DURATION = "collm_server_round_duration_seconds"
+SERVER_ROUND_DEADLINE = "collm_server_round_deadline_seconds"
+SERVER_ROUND_EDGES = "collm_server_round_edges"  # label `stage`: asked, trained, aggregated, dropped
+SERVER_ROUND_EDGE_STAGES = ("asked", "trained", "aggregated", "dropped")
+SERVER_DROPPED = "collm_server_updates_dropped_total"  # label `reason`: server/exporter.py DROP_REASONS
+SERVER_AGG_TOKENS = "collm_server_round_aggregated_tokens"
+SERVER_AGG_TOKENS_TOTAL = "collm_server_aggregated_tokens_total"
+SERVER_UPDATE_NORM = "collm_server_update_norm"  # label `edge`
+SERVER_HOLDOUT_LOSS = "collm_server_holdout_loss"  # the example-weighted mean over the edges that evaluated
+SERVER_EDGE_HOLDOUT_LOSS = "collm_server_edge_holdout_loss"  # label `edge`
+SERVER_CANARY_REFUSED = "collm_server_canary_refusals_total"
+SERVER_PRIVACY_ENABLED = "collm_server_privacy_enabled"
+SERVER_EPSILON = "collm_server_privacy_epsilon"  # only while DP releases are accounted
+SERVER_MAX_EPSILON = "collm_server_privacy_max_epsilon"  # only with dp.max_epsilon set

@@ -27,6 +27,11 @@ round 2 (it serves the latest global from the checkpoints, then each new one fro
 `--leave edge1@3` stops edge1 (SIGTERM) when round 3's training starts, and the round completes
 without it. Both repeat; the router lists every edge and sends requests only to those that are up.
 
+With `--prometheus` it also starts `collm-server exporter` (the rounds as metrics, from the
+checkpoints) and a real Prometheus on loopback scraping every process each second, with the alert
+rules (`collm.lab.monitoring`, docs/monitoring.md); `--linger S` keeps everything up S seconds after
+the last round, to look at it.
+
 With `--tls` the Flower traffic is TLS with SuperNode authentication, as in the Compose security
 profile: it makes a CA, the SuperLink's certificate and one ECDSA key pair per edge in
 `--out`/certs (`collm.lab.certs`), starts the SuperLink with `--ssl-*` and
@@ -56,6 +61,7 @@ from collm.common.rounds import read_status
 from collm.edge_client.config import EdgeConfig
 from collm.lab.certs import make_certs, register_nodes
 from collm.lab.loadgen import BackgroundLoad, Planned
+from collm.lab.monitoring import prometheus_binary, start_monitoring
 from collm.lab.topology import (COORDINATOR_NICE, BASE_CONFIGS, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
                                 prepare_out, wait_http, write_config)
 from collm.server.config import ServerConfig, round_timeout_for
@@ -138,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(training.max_eval_records; default: the edge config's)")
     p.add_argument("--keys", action="store_true", help="require API keys (generated into OUT/keys) for /v1/* "
                    "and an admin token for the edges' /admin/* (then on)")
+    p.add_argument("--prometheus", action="store_true", help="also start the round exporter and a real "
+                   "Prometheus on loopback scraping every process, with the alert rules (needs `prometheus`: "
+                   "apt-get install prometheus); its URL is printed and its data kept in OUT/prometheus")
+    p.add_argument("--linger", type=float, default=0, metavar="SECONDS",
+                   help="keep every process up this long after the last round (to look at Prometheus or the "
+                   "edges); ^C ends it early")
     p.add_argument("--tls", action="store_true", help="TLS to the SuperLink and SuperNode authentication: "
                    "certificates and edge keys in OUT/certs, each edge's key registered before it starts")
     return p
@@ -198,6 +210,10 @@ def check_args(args) -> None:
         raise UserError(f"--eval-records {args.eval_records}: give at least 1")
     if args.round_deadline is not None and args.round_deadline <= 0:
         raise UserError(f"--round-deadline {args.round_deadline:g}: give a positive number of seconds")
+    if args.linger < 0:
+        raise UserError(f"--linger {args.linger:g}: give 0 or more seconds")
+    if args.prometheus:
+        prometheus_binary()  # no prometheus: one line now, not after the edges have loaded
     args.joins, args.leaves = check_churn(args)
     if not Path(args.server_config).is_file():
         raise UserError(f"--server-config {args.server_config}: file not found")
@@ -262,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             targets = [f"http://127.0.0.1:{router_port}"]
             wait_http(targets[0] + "/health", group, 60, "collm-router")
             print(f"[lab] router: {targets[0]}", flush=True)
+        if args.prometheus:
+            prom = start_monitoring(group, out, urls, targets[0] if args.router else None, server_cfg.checkpoint_dir)
+            print(f"[lab] Prometheus: {prom} (alerts: {prom}/alerts; round exporter: logs/server-metrics.log)",
+                  flush=True)
         if keys:
             print(f"[lab] keys: /v1/* needs {keys['client']}, the edges' /admin/* {keys['admin']}", flush=True)
         model_id = httpx.get(targets[0] + "/v1/models", headers=auth).json()["data"][0]["id"]
@@ -292,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[lab] {name}: serving adapter version {view['serving_version']} "
                       f"(round {view['round']}, holdout loss {view['eval_loss']})", flush=True)
         print(f"[lab] done in {report['wall_s']} s; report {out / 'lab.json'}", flush=True)
+        if args.linger > 0:
+            print(f"[lab] --linger: everything stays up {args.linger:g} s more (^C to stop)", flush=True)
+            time.sleep(args.linger)
         return 0 if rc == 0 else 1
     finally:
         print("[lab] stopping", flush=True)

@@ -17,7 +17,7 @@ from flwr.supercore import log
 
 from collm.common.errors import UserError
 
-from collm.common.rounds import latest_complete_round
+from collm.common.rounds import latest_complete_round, write_status
 from collm.server.checkpoints import check_lora_matches, load_all_metrics, load_latest_good
 from collm.server.config import ServerConfig, load_server_config
 from collm.server.strategy import build_strategy
@@ -40,6 +40,7 @@ def run(grid: Grid, cfg: ServerConfig) -> None:
     if latest_complete_round(cfg.checkpoint_dir) >= cfg.rounds:
         log(INFO, "all %d rounds are already complete in %s; nothing to do", cfg.rounds, cfg.checkpoint_dir)
         _log_lines(summary_table(load_all_metrics(cfg.checkpoint_dir)))
+        write_status(cfg.checkpoint_dir, {"round": cfg.rounds, "phase": "finished", "at": time.time()})
         return
     ckpt = load_latest_good(cfg.checkpoint_dir, warn=lambda msg: log(WARNING, "%s", msg))
     done = ckpt.round if ckpt is not None else 0
@@ -59,6 +60,8 @@ def run(grid: Grid, cfg: ServerConfig) -> None:
     strategy.start(grid=grid, initial_arrays=arrays, num_rounds=cfg.rounds - done,
                    timeout=cfg.round_timeout_s, train_config=ConfigRecord(), evaluate_config=ConfigRecord())
     log(INFO, "rounds %d-%d finished in %.1f s", done + 1, cfg.rounds, time.time() - t0)
+    write_status(cfg.checkpoint_dir, {"round": latest_complete_round(cfg.checkpoint_dir), "phase": "finished",
+                                      "at": time.time()})
     _log_lines(summary_table(load_all_metrics(cfg.checkpoint_dir)))
 
 

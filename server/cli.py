@@ -69,11 +69,31 @@ def status_main(argv: list[str]) -> int:
     return 0
 
 
+def exporter_main(argv: list[str]) -> int:
+    """`collm-server exporter CHECKPOINT_DIR`: the run's round facts as Prometheus metrics (server/exporter.py)."""
+    p = argparse.ArgumentParser(prog="collm-server exporter", description=exporter_main.__doc__)
+    p.add_argument("checkpoint_dir", help="the ServerApp's checkpoint_dir (configs/server.yaml); it may not exist yet")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=9105, help="port to listen on (default: %(default)s)")
+    args = p.parse_args(argv)
+    from collm.server.exporter import serve
+
+    try:
+        serve(args.checkpoint_dir, args.host, args.port)
+    except OSError as e:
+        raise UserError(f"--port: cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["status"]:
         return status_main(argv[1:])
+    if argv[:1] == ["exporter"]:
+        return exporter_main(argv[1:])
     args = build_parser().parse_args(argv)
     quiet_flower()
     with _as_user_error():

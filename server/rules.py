@@ -118,7 +118,8 @@ class DifferentialPrivacy(Rule):
         keys = [k for k in arrays if "lora_B" in k] if self.b_only else list(arrays)
         arrays, std = noised(arrays, keys, dp.noise_multiplier, dp.clipping_norm, n)
         info = {"clipping_norm": dp.clipping_norm, "noise_multiplier": dp.noise_multiplier, "noise_std": std,
-                "updates": n, "release": None, "epsilon": None, "delta": dp.target_delta}
+                "updates": n, "release": None, "epsilon": None, "delta": dp.target_delta,
+                "max_epsilon": dp.max_epsilon}
         if dp.noise_multiplier > 0:
             release = Release(dp.noise_multiplier, n)
             self.ledger.record(release)

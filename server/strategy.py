@@ -65,6 +65,7 @@ class RoundRecord:
     train: dict[str, dict] = field(default_factory=dict)  # edge -> its TRAIN reply's metrics
     dropped: dict[str, str] = field(default_factory=dict)  # edge -> why its update was left out
     capped: dict[str, float] = field(default_factory=dict)  # edge -> the weight its over-large claim was cut to
+    norms: dict[str, float] = field(default_factory=dict)  # edge -> its update's norm |local - global| (screened)
     kept: list[str] = field(default_factory=list)
     train_aggregate: dict | None = None
     eval: dict[str, dict] = field(default_factory=dict)
@@ -348,6 +349,7 @@ class CollmRounds:
                 screening.dropped[i] = why
                 screening.kept.remove(i)
         self._norm_history.extend(screening.norms[i] for i in screening.kept)
+        rec.norms = {updates[i].name: float(v) for i, v in screening.norms.items()}
         for i, why in screening.dropped.items():
             rec.dropped[updates[i].name] = why
         for name, why in rec.dropped.items():
