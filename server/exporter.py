@@ -4,7 +4,8 @@ Flower runs the ServerApp inside a process the SuperLink starts for the run and 
 has no port an operator could rely on. What it does leave is durable: one `metrics.json` per
 complete round (the RoundRecord) and `status.json`. `collm-server exporter CHECKPOINT_DIR` serves
 `/metrics` from them: during the run, after it, and across a resumed run, with nothing kept in
-memory that a restart would lose (rounds are immutable once written, so each is read once).
+memory that a restart would lose (a round's file is read again only when it changes; while one is
+being rewritten, its last good content stands, so no total steps back).
 
 `server_families` is the pure part: checkpoints' dicts in, metric families out.
 """
@@ -28,14 +29,16 @@ from collm.common.rounds import METRICS_FILE, complete_rounds, read_status, roun
 # Why an update was left out, by the first words of the reason the round record gives (server/replies.py,
 # server/robust.py, server/rules.py); every reason is exported, with 0 until it happens, so a rate() of
 # each is defined from the first scrape.
+NO_REPLY = "no reply"  # chosen to train, no reply in time (it left, or timed out)
 DROP_REASONS = (
+    ("no_reply", (NO_REPLY,)),
     ("error", ("error reply",)),
     ("malformed", ("malformed reply", "expected one", "metrics lack")),
     ("no_examples", ("trained on",)),
-    ("shape", ("keys/shapes differ",)),
+    ("shape", ("keys/shapes differ", "rank ")),
     ("non_finite", ("non-finite",)),
     ("norm", ("update norm",)),
-    ("dp", ("dp:",)),
+    ("rule", ("lora_aggregation", "dp:")),
     ("other", ("",)),
 )
 
@@ -81,6 +84,10 @@ def server_families(rounds: dict[int, dict], status: dict | None) -> list:
     active = status is not None and status.get("phase") != "finished"
     gauge(M.SERVER_RUN_ACTIVE, "1 while the run has rounds to go (status.json phase is not 'finished')",
           float(active))
+    gauge(M.SERVER_STATUS_TIME, "When the run last moved: a round started training or completed (Unix s)",
+          _num((status or {}).get("at")))
+    gauge(M.SERVER_ROUND_TIMEOUT, "round_timeout_s: the longest one phase of a round waits for replies (s)",
+          _num((status or {}).get("round_timeout_s")))
     gauge(M.SERVER_ROUND_END, "When the last complete round ended (Unix s)", round_end(last) if last else None)
     gauge(M.SERVER_ROUND_DURATION, "Wall time of the last complete round (s)", _num(last.get("wall_s")))
     deadlines = [_num(d.get("deadline_s")) for d in last.get("balancer") or []]
@@ -89,10 +96,14 @@ def server_families(rounds: dict[int, dict], status: dict | None) -> list:
           max(deadlines) if deadlines else None)
 
     edges = GaugeMetricFamily(M.SERVER_ROUND_EDGES, "Edges per stage of the last complete round: asked for a load "
-                              "report, trained, aggregated, dropped", labels=["stage"])
+                              "report, selected to train, replied with an update, aggregated, dropped (any reason, "
+                              "no reply included)", labels=["stage"])
     if last:
-        counts = {"asked": len(last.get("balancer") or []), "trained": len(last.get("train") or {}),
-                  "aggregated": len(last.get("kept") or []), "dropped": len(last.get("dropped") or {})}
+        drops = dropped_updates(last)
+        selected = [d.get("edge") for d in last.get("balancer") or [] if d.get("take_part")]
+        counts = {"asked": len(last.get("balancer") or []), "selected": len(selected),
+                  "replied": sum(drop_reason(drops.get(e, "")) not in ("no_reply", "error") for e in selected),
+                  "aggregated": len(last.get("kept") or []), "dropped": len(drops)}
         for stage in M.SERVER_ROUND_EDGE_STAGES:
             edges.add_metric([stage], float(counts[stage]))
     out.append(edges)
@@ -100,7 +111,7 @@ def server_families(rounds: dict[int, dict], status: dict | None) -> list:
     dropped = {label: 0 for label, _ in DROP_REASONS}
     tokens_total = refused = 0.0
     for m in rounds.values():
-        for why in (m.get("dropped") or {}).values():
+        for why in dropped_updates(m).values():
             dropped[drop_reason(str(why))] += 1
         tokens_total += _aggregated_tokens(m)
         refused += len(m.get("refused_by") or [])
@@ -136,12 +147,23 @@ def server_families(rounds: dict[int, dict], status: dict | None) -> list:
     out.append(per_edge)
 
     privacy = next((m["privacy"] for _, m in sorted(rounds.items(), reverse=True) if m.get("privacy")), None)
-    gauge(M.SERVER_PRIVACY_ENABLED, "1 when the run's aggregates are differentially private", float(bool(privacy)))
+    noised = bool(privacy) and (_num(privacy.get("noise_multiplier")) or 0) > 0  # clipping alone claims no privacy
+    gauge(M.SERVER_PRIVACY_ENABLED, "1 when the run's aggregates are differentially private (noise on)", float(noised))
     if privacy:
         gauge(M.SERVER_EPSILON, "Privacy spent so far (epsilon at the run's delta, RDP accountant)",
               _num(privacy.get("epsilon")))
         gauge(M.SERVER_MAX_EPSILON, "dp.max_epsilon: no round may bring epsilon past it",
               _num(privacy.get("max_epsilon")))
+    return out
+
+
+def dropped_updates(m: dict) -> dict[str, str]:
+    """Edge -> why its update is not in the round's aggregate: the recorded reasons, and the edges chosen to
+    train whose reply never came (the SuperLink answers nothing for an edge that timed out)."""
+    out = {str(e): str(why) for e, why in (m.get("dropped") or {}).items()}
+    for d in m.get("balancer") or []:
+        if d.get("take_part") and d.get("edge") not in (m.get("train") or {}) and d.get("edge") not in out:
+            out[str(d.get("edge"))] = NO_REPLY
     return out
 
 
@@ -155,24 +177,24 @@ class CheckpointCollector:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        self._rounds: dict[int, tuple[int, dict]] = {}  # round -> (mtime_ns of its metrics.json, its content)
+        self._rounds: dict[int, tuple[tuple, dict]] = {}  # round -> (its metrics.json's mtime, inode, size; content)
         self._lock = threading.Lock()
 
     def rounds(self) -> dict[int, dict]:
         with self._lock:
-            seen = {}
             for r in complete_rounds(self.directory):
                 path = round_dir(self.directory, r) / METRICS_FILE
                 try:
-                    mtime = path.stat().st_mtime_ns
-                    if r not in self._rounds or self._rounds[r][0] != mtime:
-                        self._rounds[r] = (mtime, json.loads(path.read_text()))
+                    st = path.stat()
+                    key = (st.st_mtime_ns, st.st_ino, st.st_size)
+                    if r not in self._rounds or self._rounds[r][0] != key:
+                        self._rounds[r] = (key, json.loads(path.read_text()))
                 except (OSError, ValueError):
-                    self._rounds.pop(r, None)  # torn or just replaced: read again at the next scrape
-                    continue
-                seen[r] = self._rounds[r][1]
-            self._rounds = {r: v for r, v in self._rounds.items() if r in seen}
-            return seen
+                    continue  # torn or being replaced: the last good content stands until it reads back
+            # a round whose folder is gone (a new run in this directory) is forgotten; one whose metrics.json is
+            # being rewritten (its folder is there) keeps its last good content, so no total steps back
+            self._rounds = {r: v for r, v in self._rounds.items() if round_dir(self.directory, r).is_dir()}
+            return {r: v for r, (_, v) in sorted(self._rounds.items())}
 
     def collect(self):
         yield from server_families(self.rounds(), read_status(self.directory))

@@ -150,7 +150,8 @@ class CollmRounds:
         rec.global_keys = len(arrays)
         d = write_round(self.server_cfg.checkpoint_dir, r, {k: v.numpy() for k, v in arrays.items()},
                         rec.as_dict(), self.server_cfg.lora, self.server_cfg.base_model_name, self.server_state())
-        write_status(self.server_cfg.checkpoint_dir, {"round": r, "phase": "complete", "at": time.time()})
+        write_status(self.server_cfg.checkpoint_dir, {"round": r, "phase": "complete", "at": time.time(),
+                                                      "round_timeout_s": self.server_cfg.round_timeout_s})
         log(INFO, "round %d complete in %.1f s: checkpoint %s", r, rec.wall_s, d)
 
     def server_state(self) -> dict[str, dict[str, np.ndarray]]:
@@ -212,6 +213,7 @@ class CollmRounds:
         messages = [self._train_message(r, rec, edge, packed, common) for edge in plan]
         messages = [m for m in messages if m is not None]
         write_status(self.server_cfg.checkpoint_dir, {"round": r, "phase": "train", "at": time.time(),
+                                                      "round_timeout_s": self.server_cfg.round_timeout_s,
                                                       "training": [d["edge"] for d in rec.balancer if d["take_part"]]})
         if not messages:
             rec.training_skipped = "no edge takes part (see balancer reasons)"

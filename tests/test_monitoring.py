@@ -10,6 +10,7 @@ and asks its HTTP API every dashboard panel's query: each must return a series. 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -39,12 +40,17 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (apt-get install prometheus)")
-needs_prometheus = pytest.mark.skipif(PROMETHEUS is None,
+# .ci/run installs Debian's prometheus and sets COLLM_REQUIRE_PROMETHEUS=1: there a missing binary fails the
+# tests below instead of skipping them, so CI cannot pass without the proof
+REQUIRED = os.environ.get("COLLM_REQUIRE_PROMETHEUS") == "1"
+needs_promtool = pytest.mark.skipif(PROMTOOL is None and not REQUIRED,
+                                    reason="promtool is not installed (apt-get install prometheus)")
+needs_prometheus = pytest.mark.skipif(PROMETHEUS is None and not REQUIRED,
                                       reason="prometheus is not installed (apt-get install prometheus)")
 
 
 def promtool(*args, cwd=None) -> subprocess.CompletedProcess:
+    assert PROMTOOL, "promtool is not installed (COLLM_REQUIRE_PROMETHEUS=1)"
     return subprocess.run([PROMTOOL, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
@@ -124,7 +130,8 @@ def test_every_dashboard_query_names_only_metrics_the_processes_export():
 # ---------------------------------------------------------------------------- the round exporter
 def a_round(r: int, **kw) -> dict:
     rec = RoundRecord(round=r, strategy="CollmFedAvg", started_at=f"2026-12-04T10:0{r}:00+00:00", wall_s=30.0,
-                      balancer=[{"edge": e, "deadline_s": 6.0} for e in ("edge0", "edge1", "edge2")],
+                      balancer=[{"edge": e, "deadline_s": 6.0, "take_part": e != "edge2"}
+                                for e in ("edge0", "edge1", "edge2")],
                       train={"edge0": {"train-tokens": 100}, "edge1": {"train-tokens": 50}},
                       kept=["edge0", "edge1"], norms={"edge0": 0.5, "edge1": 0.25},
                       eval={"edge0": {"eval-loss": 2.0}, "edge1": {"eval-loss": 3.0}},
@@ -146,22 +153,31 @@ def samples(families) -> dict:
 
 
 def test_round_facts_as_metrics():
-    dp = {"epsilon": 3.5, "max_epsilon": 4.0}
+    dp = {"epsilon": 3.5, "max_epsilon": 4.0, "noise_multiplier": 0.5}
     rounds = {1: a_round(1, dropped={"edge2": "update norm 9 > 3 × median 1"}, refused_by=["edge1"]),
-              2: a_round(2, dropped={"edge2": "error reply: boom"}, privacy=dp)}
-    s = samples(server_families(rounds, {"round": 2, "phase": "complete"}))
+              2: a_round(2, dropped={"edge2": "error reply: boom"}, privacy=dp),
+              3: a_round(3, train={"edge0": {"train-tokens": 100}}, kept=["edge0"])}  # edge1 never replied
+    s = samples(server_families(dict(list(rounds.items())[:2]), {"round": 2, "phase": "complete", "at": 5.0,
+                                                                  "round_timeout_s": 60}))
     assert s[(M.SERVER_ROUND, ())] == 2 and s[(M.SERVER_ROUNDS, ())] == 2 and s[(M.SERVER_RUN_ACTIVE, ())] == 1
+    assert s[(M.SERVER_STATUS_TIME, ())] == 5 and s[(M.SERVER_ROUND_TIMEOUT, ())] == 60
     assert s[(M.SERVER_ROUND_END, ())] == 1796378520 + 30  # 2026-12-04T10:02:00Z + wall_s
     assert s[(M.SERVER_ROUND_DEADLINE, ())] == 6 and s[(M.SERVER_ROUND_DURATION, ())] == 30
-    assert [s[(M.SERVER_ROUND_EDGES, (("stage", st),))] for st in M.SERVER_ROUND_EDGE_STAGES] == [3, 2, 2, 1]
+    # round 2: 3 asked, edge0 and edge1 selected (take_part), both replied, both aggregated; edge2's error counts
+    assert [s[(M.SERVER_ROUND_EDGES, (("stage", st),))] for st in M.SERVER_ROUND_EDGE_STAGES] == [3, 2, 2, 2, 1]
     dropped = {dict(k[1])["reason"]: v for k, v in s.items() if k[0] == M.SERVER_DROPPED}
     assert dropped == {**{label: 0 for label, _ in DROP_REASONS}, "norm": 1, "error": 1}
+    s3 = samples(server_families(rounds, None))
+    assert [s3[(M.SERVER_ROUND_EDGES, (("stage", st),))] for st in M.SERVER_ROUND_EDGE_STAGES] == [3, 2, 1, 1, 1]
+    assert s3[(M.SERVER_DROPPED, (("reason", "no_reply"),))] == 1  # chosen to train, never answered
     assert s[(M.SERVER_AGG_TOKENS, ())] == 150 and s[(M.SERVER_AGG_TOKENS_TOTAL, ())] == 300
     assert s[(M.SERVER_CANARY_REFUSED, ())] == 1
     assert s[(M.SERVER_UPDATE_NORM, (("edge", "edge1"),))] == 0.25
     assert s[(M.SERVER_HOLDOUT_LOSS, ())] == 2.5 and s[(M.SERVER_EDGE_HOLDOUT_LOSS, (("edge", "edge0"),))] == 2.0
     assert s[(M.SERVER_EPSILON, ())] == 3.5 and s[(M.SERVER_MAX_EPSILON, ())] == 4.0
     assert s[(M.SERVER_PRIVACY_ENABLED, ())] == 1
+    clip_only = samples(server_families({1: a_round(1, privacy={**dp, "noise_multiplier": 0.0})}, None))
+    assert clip_only[(M.SERVER_PRIVACY_ENABLED, ())] == 0  # clipping alone claims no privacy
     done = samples(server_families(rounds, {"round": 2, "phase": "finished"}))
     assert done[(M.SERVER_RUN_ACTIVE, ())] == 0
     before = samples(server_families({}, None))
@@ -173,8 +189,9 @@ def test_every_recorded_drop_reason_has_its_label():
     cases = {"error reply: x": "error", "malformed reply: x": "malformed", "expected one ArrayRecord, got 2": "malformed",
              "metrics lack a numeric 'num-examples'": "malformed", "trained on 0 examples": "no_examples",
              "keys/shapes differ from the global: 1 missing key(s)": "shape", "non-finite values in a.b": "non_finite",
-             "update norm 5 > 3 × median 1": "norm", "dp: update norm 2 is above clipping_norm 1": "dp",
-             "something new": "other"}
+             "update norm 5 > 3 × median 1": "norm", "dp: update norm 2 is above clipping_norm 1": "rule",
+             "lora_aggregation ffa: the update changed x": "rule", "rank 32 is above the server's lora.r 16": "shape",
+             "no reply": "no_reply", "something new": "other"}
     assert {why: drop_reason(why) for why in cases} == cases
 
 
@@ -188,7 +205,9 @@ def test_the_collector_reads_checkpoint_files_and_follows_a_rewrite(tmp_path):
     write_status(tmp_path / "ckpt", {"round": 3, "phase": "train"})
     s = samples(c.collect())
     assert s[(M.SERVER_ROUND, ())] == 2 and s[(M.SERVER_RUN_ACTIVE, ())] == 1
-    time.sleep(0.01)
+    (tmp_path / "ckpt" / "round-0002" / "metrics.json").unlink()  # a rewrite (write_round) starts by removing it
+    s = samples(c.collect())
+    assert s[(M.SERVER_ROUND, ())] == 2 and s[(M.SERVER_AGG_TOKENS_TOTAL, ())] == 300  # no total steps back
     write_atomic(tmp_path / "ckpt" / "round-0002" / "metrics.json", json.dumps(a_round(2, kept=["edge0"])))
     assert samples(c.collect())[(M.SERVER_AGG_TOKENS, ())] == 100
 
@@ -206,6 +225,7 @@ query_timeout_s: 20
 @pytest.mark.slow
 @needs_prometheus
 def test_a_lab_with_prometheus_answers_every_dashboard_query(tmp_path):
+    assert PROMETHEUS, "prometheus is not installed (COLLM_REQUIRE_PROMETHEUS=1)"
     (tmp_path / "server.yaml").write_text(SERVER_YAML)
     out, log_path = tmp_path / "run", tmp_path / "lab.log"
     log = open(log_path, "w")
@@ -227,8 +247,11 @@ def test_a_lab_with_prometheus_answers_every_dashboard_query(tmp_path):
             assert r["status"] == "success", (q, r)
             return r["data"]["result"]
 
-        empty = [(title, q) for title, q in panel_queries() if not query(q)]
-        assert not empty, f"dashboard queries with no series: {empty}"
+        def finite(result) -> bool:
+            return any(math.isfinite(float(s["value"][1])) for s in result)
+
+        empty = [(title, q) for title, q in panel_queries() if not finite(query(q))]
+        assert not empty, f"dashboard queries with no series or only NaN: {empty}"
         targets = httpx.get(prom + "/api/v1/targets", timeout=30).json()["data"]["activeTargets"]
         assert sorted(t["labels"]["job"] for t in targets) == ["collm-edge", "collm-edge", "collm-router",
                                                               "collm-server"]

@@ -62,7 +62,7 @@ PANELS = [
      [("round", "collm_server_round"), ("run active", "collm_server_run_active")]),
     ("Federation", "Round duration", "s", "Wall time of the last complete round and its training deadline.",
      [("duration", "collm_server_round_duration_seconds"), ("deadline", "collm_server_round_deadline_seconds")]),
-    ("Federation", "Participants", "short", "Edges asked, trained, aggregated and dropped in the last round.",
+    ("Federation", "Participants", "short", "Edges asked, selected to train, replied, aggregated and dropped (no reply included) in the last round.",
      [("{{stage}}", "collm_server_round_edges")]),
     ("Federation", "Updates dropped by reason", "short", "Updates left out of the aggregate, all rounds, by why.",
      [("{{reason}}", "collm_server_updates_dropped_total")]),
