@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def edge_cfg(i: int, eval_records: int):
+def edge_cfg(i: int, eval_records: int, rank: int | None = None):
     import yaml
 
     from collm.common.config import load_config
@@ -39,6 +39,8 @@ def edge_cfg(i: int, eval_records: int):
     over = {"name": lab["name"], "data": {"categories": lab["data"]["categories"]},
             "engine": {"warmup": False}, "training": {"max_eval_records": eval_records},
             "model": {"threads": 1}}
+    if rank is not None:  # a mixed-rank fleet: alpha = 2 x rank keeps every edge's LoRA scale at 2
+        over["lora"] = {"r": rank, "alpha": 2.0 * rank}
     return load_config(EdgeConfig, ROOT / "configs" / "edge-smollm2.yaml", over)
 
 

@@ -16,10 +16,24 @@ own holdout split. The variants, each on fresh engines with the same seeds:
            the median update norm of fedavg's first round in this run (a convenience of the
            benchmark: a real deployment fixes C without looking at the updates).
 
+Mixed ranks (issue #35; edges of ranks 4, 8 and 16, alpha = 2 x rank so every edge's LoRA scale is 2):
+
+* product      homogeneous rank 8, `lora_aggregation: product` (the products averaged exactly, then the
+               best rank-8 factors: common/lora_rank.py, what the server's ProductLora rule runs);
+* mixed        ranks 4/8/16 under product aggregation at the server's rank 16; each edge trains and
+               serves its own-rank fit of the global (the share of its energy kept is recorded);
+* mixed-pad    ranks 4/8/16, the naive alternative: factors zero-padded to 16 and averaged, each edge
+               takes the first r rows of A and columns of B (not exact: the HetLoRA-style baseline
+               without its self-pruning).
+
+They also record, per edge and round, the training seconds and the bytes on the wire (the global it
+is sent at the server's rank, the update it sends at its own).
+
 No Flower transport and no HTTP (tests/test_federation_privacy.py runs the options through a real
 SuperLink). About 5 minutes per variant on 2 cores with the defaults.
 
     python benchmarks/federation_quality.py --rounds 5 --tokens 1500
+    python benchmarks/federation_quality.py --variants fedavg,product,mixed,mixed-pad
 """
 
 from __future__ import annotations
@@ -105,19 +119,95 @@ def run_variant(name: str, args, clip: float | None, z: float) -> dict:
             "noise_multiplier": z if dp else None, "wall_s": time.time() - t0}
 
 
+RANKED = {"product": (8, 8, 8), "mixed": (4, 8, 16), "mixed-pad": (4, 8, 16)}
+
+
+def _nbytes(state: dict) -> int:
+    return int(sum(v.numel() * 4 for v in state.values()))  # float32 on the wire
+
+
+def run_ranked(name: str, args) -> dict:
+    """A round loop where each edge trains its own rank; the server aggregates as products (product, mixed)
+    or as zero-padded factors (mixed-pad)."""
+    import numpy as np
+    import torch
+
+    from collm.common.lora_rank import combine
+    from collm.edge_client.engine import Engine
+    from collm.edge_client.federation.records import fit_to_rank
+    from collm.edge_client.model.loading import load_model
+    from collm.edge_client.training.data import load_edge_data
+    from collm.edge_client.training.jobs import TrainBudget
+
+    ranks = RANKED[name]
+    server_r, server_alpha = max(ranks), 2.0 * max(ranks)
+    cfgs = [edge_cfg(i, args.eval_records, rank) for i, rank in zip(range(1, 4), ranks)]
+    engines = [Engine(load_model(c.model), c, load_edge_data(c.data)).start() for c in cfgs]
+    names = [e.cfg.name for e in engines]
+    pool = ThreadPoolExecutor(len(engines))
+
+    def own(e, glob):
+        """The global as edge `e` trains and serves it, and the share of its energy kept."""
+        if glob is None:
+            return e.initial_state, 1.0
+        r = e.cfg.lora.r
+        if name == "mixed-pad":
+            return {k: (v[:r].clone() if "lora_A" in k else v[:, :r].clone()) for k, v in glob.items()}, None
+        return fit_to_rank(glob, server_alpha, r, e.cfg.lora.alpha, e.initial_state)
+
+    def padded(state):
+        return {k: torch.nn.functional.pad(v, (0, 0, 0, server_r - v.shape[0]) if "lora_A" in k
+                                           else (0, server_r - v.shape[1])) for k, v in state.items()}
+
+    rows, glob, t0 = [], None, time.time()
+    try:
+        base = list(pool.map(lambda e: e.evaluate(state=e.initial_state).result().loss, engines))
+        for r in range(1, args.rounds + 1):
+            starts = [own(e, glob) for e in engines]
+            reports = list(pool.map(lambda es: es[0].train(TrainBudget(tokens=args.tokens), global_state=es[1][0]).result(),
+                                    zip(engines, starts)))
+            weights = [max(rep.sequences, 1) for rep in reports]
+            down = [0 if glob is None else _nbytes(glob) for _ in engines]
+            up = [_nbytes(rep.adapter_state) for rep in reports]
+            if name == "mixed-pad":
+                glob, server_energy = aggregate([padded(rep.adapter_state) for rep in reports], weights), None
+            else:
+                total = float(sum(weights))
+                terms = [({k: v.numpy() for k, v in rep.adapter_state.items()}, w / total * e.cfg.lora.scaling)
+                         for rep, w, e in zip(reports, weights, engines)]
+                state, server_energy = combine(terms, server_r, server_alpha)
+                glob = {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}
+            served = [own(e, glob) for e in engines]
+            losses = list(pool.map(lambda es: es[0].evaluate(state=es[1][0]).result().loss, zip(engines, served)))
+            rows.append({"round": r, "loss": dict(zip(names, losses)), "server_energy": server_energy,
+                         "edge_energy": dict(zip(names, [s[1] for s in served])),
+                         "train_s": dict(zip(names, [rep.seconds for rep in reports])),
+                         "bytes_down": dict(zip(names, down)), "bytes_up": dict(zip(names, up))})
+            print(f"  {name} round {r} ({time.time() - t0:.0f} s): " + ", ".join(
+                f"{n} {v:.4f}" for n, v in zip(names, losses))
+                + (f"; energy kept: server {server_energy:.3f}, edges "
+                   + ", ".join(f"{s[1]:.3f}" for s in served) if server_energy is not None else ""), flush=True)
+    finally:
+        for e in engines:
+            e.stop()
+    return {"variant": name, "ranks": dict(zip(names, ranks)), "base": dict(zip(names, base)), "rounds": rows,
+            "clip": None, "noise_multiplier": None, "wall_s": time.time() - t0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=1500, help="training tokens per edge and round")
     ap.add_argument("--eval-records", type=int, default=16, help="holdout records per evaluation")
     ap.add_argument("--variants", default="fedavg,fedprox,ffa,dp-z1.0",
-                    help="comma-separated: fedavg, fedprox, ffa, dp-z<noise multiplier> (e.g. dp-z0.1)")
+                    help="comma-separated: fedavg, fedprox, ffa, dp-z<noise multiplier> (e.g. dp-z0.1), "
+                    "product, mixed, mixed-pad")
     ap.add_argument("--clip", type=float, help="DP clipping norm (default: median of fedavg's round-1 update norms)")
     ap.add_argument("--out", default="runs/federation_quality.json")
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
-        if v not in ("fedavg", "fedprox", "ffa") and not v.startswith("dp-z"):
+        if v not in ("fedavg", "fedprox", "ffa", *RANKED) and not v.startswith("dp-z"):
             ap.error(f"--variants: unknown variant {v!r}")
     if any(v.startswith("dp") for v in variants) and args.clip is None and "fedavg" not in variants:
         ap.error("--clip is needed when fedavg (whose round-1 norms give the default) is not among --variants")
@@ -129,7 +219,7 @@ def main() -> None:
     for v in variants:
         z = float(v[4:]) if v.startswith("dp-z") else 0.0
         print(f"{v}:", flush=True)
-        res = run_variant(v, args, clip, z)
+        res = run_ranked(v, args) if v in RANKED else run_variant(v, args, clip, z)
         results.append(res)
         if v == "fedavg" and clip is None:
             clip = statistics.median(res["rounds"][0]["update_norms"])
@@ -143,10 +233,24 @@ def main() -> None:
           + f" | {statistics.mean(results[0]['base'].values()):.4f} | - |")
     for res in results:
         last = res["rounds"][-1]
-        eps = f"{last['epsilon']:.1f}" if last["epsilon"] is not None else "-"
+        eps = f"{last['epsilon']:.1f}" if last.get("epsilon") is not None else "-"
         label = res["variant"] + (f" (C {res['clip']:.3g})" if res["clip"] else "")
         print(f"| {label} | " + " | ".join(f"{last['loss'][n]:.4f}" for n in names)
               + f" | {statistics.mean(last['loss'].values()):.4f} | {eps} |")
+    ranked = [res for res in results if "ranks" in res]
+    if ranked:
+        print("\nmixed ranks: energy kept in the last round, and per edge the mean training seconds per round and "
+              "the bytes on the wire per round (global down / update up)\n")
+        print("| variant | ranks | server energy | edge energy | " + " | ".join(f"{n} s, down/up KiB" for n in names) + " |")
+        print("|---" * (len(names) + 4) + "|")
+        for res in ranked:
+            last, rs = res["rounds"][-1], res["rounds"]
+            se = f"{last['server_energy']:.3f}" if last["server_energy"] is not None else "-"
+            ee = ", ".join(f"{v:.3f}" for v in last["edge_energy"].values()) if None not in last["edge_energy"].values() else "-"
+            cells = [f"{statistics.mean(x['train_s'][n] for x in rs):.1f}, "
+                     f"{statistics.mean(x['bytes_down'][n] for x in rs[1:]) / 1024 if len(rs) > 1 else 0:.0f}/"
+                     f"{statistics.mean(x['bytes_up'][n] for x in rs) / 1024:.0f}" for n in names]
+            print(f"| {res['variant']} | {'/'.join(map(str, res['ranks'].values()))} | {se} | {ee} | " + " | ".join(cells) + " |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "results": results, "wall_s": time.time() - t_start}, indent=1))

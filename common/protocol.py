@@ -37,6 +37,9 @@ LR = "lr"
 PROXIMAL_MU = "proximal-mu"
 FREEZE_A = "lora-freeze-a"  # FFA-LoRA: train only the B matrices (A stays the global's)
 CLIPPING_NORM = "clipping_norm"  # DP: clip the update to this L2 norm (Flower's KEY_CLIPPING_NORM)
+# lora_aggregation product (common/lora_rank.py): in TRAIN/EVALUATE config, the global's LoRA alpha (the edge fits
+# the global to its own rank); in a TRAIN reply, the edge's own alpha (the server needs it for the product)
+LORA_ALPHA = "lora-alpha"
 
 # reply metrics (MetricRecord keys), written by edge_client/federation/client.py, read by server/
 TRAIN_LOSS, TRAIN_TOKENS, TRAIN_STEPS = "train-loss", "train-tokens", "train-steps"
@@ -45,6 +48,7 @@ UPDATE_NORM = "update-norm"  # DP: the norm of the update before it was clipped
 EVAL_LOSS, EVAL_ACCURACY = "eval-loss", "eval-accuracy"
 ADAPTER_VERSION = "adapter-version"  # the version the edge serves after the evaluation
 CANARY_REFUSED = "canary-refused"  # 1: its canary gate refused the round's global
+RANK_ENERGY = "rank-energy"  # product: the share of the global's energy the edge's rank keeps (1: all)
 TRAIN_KEYS = (NUM_EXAMPLES, TRAIN_LOSS, TRAIN_TOKENS, TRAIN_STEPS, DEADLINE_HIT, SECONDS, CARRIED_TOKENS)
 EVAL_KEYS = (NUM_EXAMPLES, EVAL_LOSS, EVAL_ACCURACY, ADAPTER_VERSION, CANARY_REFUSED)
 UNKNOWN = -1.0

@@ -89,13 +89,14 @@ def make_keys(d: Path) -> dict[str, Path]:
 
 def lab_edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: str | None = None,
                      certs: dict[str, Path] | None = None, keys: dict[str, Path] | None = None,
-                     eval_records: int | None = None) -> list[EdgeConfig]:
+                     eval_records: int | None = None, ranks: list[int] | None = None) -> list[EdgeConfig]:
     """One config per edge: own name, ports, Dolly categories (non-IID) and state dir; the N edges
     share this machine's cores (oversubscribed torch threads spin and stall each other).
 
     With `certs` (from `make_certs`), each edge talks TLS to the SuperLink and signs in with its
     own key, `certs[name]`. With `keys` (from `make_keys`), /v1/* needs a key and /admin/* (on) the admin
-    token. Every edge catches up from the lab's checkpoints when it (re)starts."""
+    token. `ranks`: each edge's LoRA rank (a mixed-rank fleet). Every edge catches up from the lab's
+    checkpoints when it (re)starts."""
     parts = partition_by_category(load_records(), n)
     threads = max(1, len(usable_cpus()) // n)
     configs = []
@@ -113,9 +114,21 @@ def lab_edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: s
             overrides["api"] = {"admin": True, "adapter_dir": str(out / "checkpoints")}
         if cache_dir:
             overrides["model"]["cache_dir"] = cache_dir
+        if ranks:
+            overrides["lora"] = {"r": ranks[i]}
         configs.append(edge_config(model, name, out, categories=categories(part), superlink=superlink,
                                    overrides=overrides))
     return configs
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated ranks, e.g. 4,8,16") from None
+    if any(not 1 <= r <= 256 for r in ranks):
+        raise argparse.ArgumentTypeError(f"{text!r}: each rank must be 1 to 256")
+    return ranks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(training.max_eval_records; default: the edge config's)")
     p.add_argument("--keys", action="store_true", help="require API keys (generated into OUT/keys) for /v1/* "
                    "and an admin token for the edges' /admin/* (then on)")
+    p.add_argument("--ranks", type=_ranks, metavar="R,R,...", help="each edge's LoRA rank, e.g. 4,8,16: a mixed-rank "
+                   "fleet, aggregated exactly as products and served at each edge's rank (lora_aggregation product; "
+                   "the server's lora.r is the largest)")
     p.add_argument("--prometheus", action="store_true", help="also start the round exporter and a real "
                    "Prometheus on loopback scraping every process, with the alert rules (needs `prometheus`: "
                    "apt-get install prometheus); its URL is printed and its data kept in OUT/prometheus")
@@ -161,6 +177,9 @@ def server_config(args, out: Path, edges: list[EdgeConfig], keys: dict[str, Path
     overrides: dict = {"rounds": args.rounds, "checkpoint_dir": str(out / "checkpoints"), "min_nodes": at_start,
                        "min_round_nodes": max(1, (at_start + 1) // 2), "base_model_name": BASE_MODEL_NAMES[args.model],
                        "lora": edges[0].lora.model_dump(), "balancer": {}}
+    if getattr(args, "ranks", None):
+        overrides["lora"] = {**overrides["lora"], "r": max(args.ranks)}
+        overrides["lora_aggregation"] = "product"
     if args.strategy:
         overrides["strategy"] = args.strategy
     if args.round_deadline:
@@ -210,6 +229,8 @@ def check_args(args) -> None:
         raise UserError(f"--eval-records {args.eval_records}: give at least 1")
     if args.round_deadline is not None and args.round_deadline <= 0:
         raise UserError(f"--round-deadline {args.round_deadline:g}: give a positive number of seconds")
+    if args.ranks and len(args.ranks) != args.edges:
+        raise UserError(f"--ranks: give one rank per edge ({args.edges}), got {len(args.ranks)}")
     if args.linger < 0:
         raise UserError(f"--linger {args.linger:g}: give 0 or more seconds")
     if args.prometheus:
@@ -232,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = make_keys(out / "keys") if args.keys else None
     client_key = keys["client"].read_text().strip() if keys else None
     auth = {"Authorization": f"Bearer {client_key}"} if keys else {}
-    edges = lab_edge_configs(args.model, args.edges, superlink, out, args.cache_dir, certs, keys, args.eval_records)
+    edges = lab_edge_configs(args.model, args.edges, superlink, out, args.cache_dir, certs, keys, args.eval_records,
+                             args.ranks)
     server_cfg = server_config(args, out, edges, keys)
     (out / "server.yaml").write_text(dump_config(server_cfg))
     paths = {e.name: write_config(out / f"{e.name}.yaml", e) for e in edges}

@@ -98,11 +98,11 @@ class ServerConfig(Strict):
     min_train_nodes: int = Field(1, ge=1, description="train on at least this many edges a round (when available)")
     fraction_evaluate: float = Field(1.0, gt=0, le=1, description="share of the edges sent each new global to "
                                      "evaluate and serve; an edge left out serves it from its next TRAIN message")
-    lora_aggregation: Literal["separate", "ffa"] = Field("separate", description="separate: A and B averaged "
-                                                         "separately (the mean of the B's times the mean of the A's "
-                                                         "is not the mean of the products B.A); ffa: FFA-LoRA, A "
-                                                         "stays at every edge's identical seeded init and only B is "
-                                                         "trained and averaged, which is exact")
+    lora_aggregation: Literal["separate", "ffa", "product"] = Field(
+        "separate", description="separate: A and B averaged separately (the mean of the B's times the mean of the "
+        "A's is not the mean of the products B.A); ffa: FFA-LoRA, A stays at every edge's identical seeded init and "
+        "only B is trained and averaged, which is exact; product: the products B.A averaged exactly (stacked), "
+        "then brought to lora.r by truncated SVD: edges may train any rank up to lora.r (common/lora_rank.py)")
     dp: DPConfig | None = Field(None, description="central differential privacy (unset: off)")
     lora: LoraConfig = LoraConfig()
     base_model_name: str = Field("collm-tiny", min_length=1,
@@ -127,6 +127,10 @@ class ServerConfig(Strict):
         if self.dp is not None and self.strategy not in ("fedavg", "fedprox"):
             raise ValueError(f"dp: works with strategy fedavg or fedprox; {self.strategy}'s aggregate is not the "
                              "average the noise is calibrated to (set strategy: fedavg, or remove dp)")
+        if self.lora_aggregation == "product" and (self.dp is not None or self.strategy not in ("fedavg", "fedprox")):
+            raise ValueError("lora_aggregation: product averages the products B.A itself; it works with strategy "
+                             f"fedavg or fedprox and without dp (got strategy {self.strategy}"
+                             f"{', dp on' if self.dp is not None else ''})")
         if self.round_timeout_s <= self.balancer.round_deadline_s:
             raise ValueError(
                 f"round_timeout_s ({self.round_timeout_s:g}) must be larger than "

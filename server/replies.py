@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.supercore import log
 from logging import WARNING
@@ -54,6 +56,13 @@ def keyed(m: Message, arrays: dict[str, np.ndarray]) -> Message:
     return Message(content, metadata=m.metadata)
 
 
+def with_arrays(m: Message, arrays: dict[str, np.ndarray]) -> Message:
+    """The reply with its adapter replaced (keyed by tensor): a rule that brought it to the global's shapes."""
+    content = RecordDict(dict(m.content.items()))
+    content[next(iter(m.content.array_records))] = wire.keyed(arrays)
+    return Message(content, metadata=m.metadata)
+
+
 def with_weight(m: Message, weight: float) -> Message:
     """The reply with its aggregation weight (num-examples) replaced."""
     content = RecordDict(dict(m.content.items()))
@@ -97,7 +106,9 @@ def read_train_replies(replies: list[Message], names: list[str], robust, rec) ->
                 rec.dropped[name] = problem
                 continue
             arrays = wire.unpack(next(iter(m.content.array_records.values())))
-            update = Update(name, float(rec.train[name][P.NUM_EXAMPLES]), arrays)
+            alpha = rec.train[name].get(P.LORA_ALPHA)
+            alpha = float(alpha) if isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha > 0 else None
+            update = Update(name, float(rec.train[name][P.NUM_EXAMPLES]), arrays, alpha)
             candidate = keyed(m, arrays)
         except Exception as e:  # noqa: BLE001 - RecursionError, TypeError, ...: the reply is left out, not the run
             rec.dropped[name] = (f"malformed reply: {str(e)[:300]}" if isinstance(e, ValueError) else
@@ -113,7 +124,7 @@ def weighed(updates: list[Update], robust, rec) -> list[Update]:
     """The updates with their FedAvg weight: the examples each edge claims, capped (`robust.max_weight_ratio`,
     each cut recorded in `rec.capped`), or 1 each (`robust.weighting: equal`)."""
     if robust.weighting == "equal":
-        return [Update(u.name, 1.0, u.arrays) if np.isfinite(u.num_examples) and u.num_examples > 0 else u
+        return [replace(u, num_examples=1.0) if np.isfinite(u.num_examples) and u.num_examples > 0 else u
                 for u in updates]
     weights = capped_weights([u.num_examples for u in updates], robust.max_weight_ratio)
     for u, w in zip(updates, weights, strict=True):
@@ -121,5 +132,5 @@ def weighed(updates: list[Update], robust, rec) -> list[Update]:
             rec.capped[u.name] = w
             log(WARNING, "update from %s claims %g examples; weighed as %g (robust.max_weight_ratio %g x the "
                 "median of the others)", u.name, u.num_examples, w, robust.max_weight_ratio)
-    return [Update(u.name, w, u.arrays) for u, w in zip(updates, weights, strict=True)]
+    return [replace(u, num_examples=w) for u, w in zip(updates, weights, strict=True)]
 

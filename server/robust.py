@@ -37,6 +37,7 @@ class Update:
     name: str
     num_examples: float
     arrays: Mapping[str, np.ndarray]
+    lora_alpha: float | None = None  # the edge's LoRA alpha, when it reports one (lora_aggregation product)
 
 
 @dataclass
@@ -92,9 +93,9 @@ def update_norm(arrays: Mapping[str, np.ndarray], global_arrays: Mapping[str, np
 
 
 def screen_updates(updates: Sequence[Update], global_arrays: Mapping[str, np.ndarray],
-                   norm_k: float, history: Sequence[float] = ()) -> Screening:
+                   norm_k: float, history: Sequence[float] = (), norm=None) -> Screening:
     """Which updates to aggregate, and why each of the others was left out (`history`: update
-    norms the last rounds kept)."""
+    norms the last rounds kept; `norm(arrays, global)`: the update norm, `update_norm` unless given)."""
     out = Screening()
     if global_arrays:
         expected, out.reference = signature(global_arrays), "global adapter"
@@ -116,7 +117,8 @@ def screen_updates(updates: Sequence[Update], global_arrays: Mapping[str, np.nda
         else:
             survivors.append(i)
 
-    out.norms = {i: update_norm(updates[i].arrays, global_arrays) for i in survivors}
+    norm = norm or update_norm
+    out.norms = {i: norm(updates[i].arrays, global_arrays) for i in survivors}
     reference = [out.norms[i] for i in survivors] + [float(h) for h in history]
     if len(reference) >= MIN_UPDATES_FOR_NORM_CHECK:
         out.median_norm = float(np.median(reference))

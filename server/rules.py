@@ -3,7 +3,10 @@
 The strategy (`server/strategy.py`) averages the kept updates with flwr's own FedAvg / FedAdam; a
 rule chosen by the server config adds to that, at four points of a round:
 
-* `train_config()`: keys every TRAIN message carries (an edge needs them to follow the rule);
+* `train_config()`, `evaluate_config()`: keys every TRAIN / EVALUATE message carries (an edge needs them
+  to follow the rule);
+* `prepare(update)`: the update in the global's form before it is screened, or why it cannot be;
+  `norm(arrays, global_)`: the update norm the robust screen compares (None: the screen's own);
 * `screen_norm_k(k)`: the robust screen's norm bound (DP turns the data-dependent screen off);
 * `breaks(update, kept, global_)`: why an update that passed the robust screen breaks the rule;
 * `weight()`: each kept update's aggregation weight, if the rule fixes it; `after(arrays, kept, rec)`:
@@ -17,10 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from collm.common import protocol as P
+from collm.common.lora_rank import combine, fit_rank, product_distance, rank_of
 from collm.server.config import ServerConfig
 from collm.server.privacy import PrivacyLedger, Release, noised
 from collm.server.robust import Update, update_norm
@@ -35,6 +40,15 @@ class Rule:
 
     def train_config(self) -> dict:
         return {}
+
+    def evaluate_config(self) -> dict:
+        return {}
+
+    def prepare(self, u: Update) -> Update | str:
+        return u
+
+    def norm(self, arrays: Arrays, global_: Arrays) -> float | None:
+        return None
 
     def screen_norm_k(self, norm_k: float) -> float:
         return norm_k
@@ -129,11 +143,57 @@ class DifferentialPrivacy(Rule):
         return {k: np.asarray(v, np.float32) for k, v in arrays.items()}
 
 
+class ProductLora(Rule):
+    """Mixed-rank LoRA (`lora_aggregation: product`, common/lora_rank.py): each edge trains the rank its
+    `lora.r` says; the aggregate is the weighted average of the products scale·B·A (exact, by stacking),
+    brought to the server's `lora.r` by truncated SVD (the energy kept is in the round record). An update
+    of rank up to `lora.r` is first written at that rank exactly, so the screen and the checkpoint see one
+    shape; the screen compares products, not factors (factors in different bases are not comparable).
+    Edges fit each global to their own rank (the TRAIN/EVALUATE config carries the global's alpha)."""
+
+    name = "product"
+
+    def __init__(self, cfg: ServerConfig):
+        self.r, self.alpha = cfg.lora.r, cfg.lora.alpha
+
+    def train_config(self) -> dict:
+        return {P.LORA_ALPHA: self.alpha}
+
+    def evaluate_config(self) -> dict:
+        return {P.LORA_ALPHA: self.alpha}
+
+    def prepare(self, u: Update) -> Update | str:
+        if u.lora_alpha is None:
+            return f"lora_aggregation product: the reply has no numeric '{P.LORA_ALPHA}' (the edge's LoRA alpha)"
+        try:
+            rank = rank_of(u.arrays)
+            if rank > self.r:
+                return f"rank {rank} is above the server's lora.r {self.r}"
+            if bad := next((k for k, v in u.arrays.items() if not np.isfinite(v).all()), None):
+                return f"non-finite values in {bad}"
+            arrays, _ = fit_rank(u.arrays, u.lora_alpha, self.r, self.alpha)
+        except ValueError as e:
+            return f"malformed reply: {e}"
+        return replace(u, arrays=arrays, lora_alpha=self.alpha)
+
+    def norm(self, arrays: Arrays, global_: Arrays) -> float:
+        return product_distance(arrays, self.alpha, global_, self.alpha)
+
+    def after(self, arrays: dict[str, np.ndarray], kept: Sequence[Update], rec) -> dict:
+        total = sum(u.num_examples for u in kept)
+        scale = self.alpha / self.r
+        state, energy = combine([(u.arrays, scale * u.num_examples / total) for u in kept], self.r, self.alpha)
+        rec.rank_energy = round(energy, 6)
+        return state
+
+
 def rules_for(cfg: ServerConfig, ledger: PrivacyLedger | None, population: Callable[[], int]) -> list[Rule]:
     """The rules a server config asks for, in the order they apply."""
     rules: list[Rule] = []
     if cfg.lora_aggregation == "ffa":
         rules.append(FfaLora())
+    if cfg.lora_aggregation == "product":
+        rules.append(ProductLora(cfg))
     if cfg.dp is not None:
         rules.append(DifferentialPrivacy(cfg, ledger, cfg.lora_aggregation == "ffa", population))
     return rules

@@ -48,9 +48,10 @@ from collm.common.run_proof import PROOF_KEY, proof
 from collm.server.checkpoints import write_round
 from collm.server.config import ServerConfig
 from collm.server.privacy import PrivacyLedger, Release
-from collm.server.replies import common_metric_keys, edge_name, fmt, read_train_replies, unique_names, with_weight
+from collm.server.replies import (common_metric_keys, edge_name, fmt, read_train_replies, unique_names, with_arrays,
+                                  with_weight)
 from collm.server.robust import Update, screen_updates
-from collm.server.rules import rules_for
+from collm.server.rules import Rule, rules_for
 
 
 @dataclass
@@ -66,6 +67,7 @@ class RoundRecord:
     dropped: dict[str, str] = field(default_factory=dict)  # edge -> why its update was left out
     capped: dict[str, float] = field(default_factory=dict)  # edge -> the weight its over-large claim was cut to
     norms: dict[str, float] = field(default_factory=dict)  # edge -> its update's norm |local - global| (screened)
+    rank_energy: float | None = None  # lora_aggregation product: share of the aggregate's energy lora.r keeps
     kept: list[str] = field(default_factory=list)
     train_aggregate: dict | None = None
     eval: dict[str, dict] = field(default_factory=dict)
@@ -306,7 +308,7 @@ class CollmRounds:
                 rec.training_skipped = "no TRAIN replies"
                 log(WARNING, "round %d: no TRAIN replies; the global adapter stays as it is", r)
             return None, None
-        updates, candidates = self._read_updates(replies, rec)
+        updates, candidates = self._prepare(*self._read_updates(replies, rec), rec)
         kept = self._screen(r, updates, rec)
         if not kept:
             log(WARNING, "round %d: all %d updates were left out; the global adapter stays as it is", r, len(replies))
@@ -339,12 +341,30 @@ class CollmRounds:
         names = self._names_of(replies)
         return read_train_replies(replies, [names[self._node_of(m)] for m in replies], self.server_cfg.robust, rec)
 
+    def _prepare(self, updates: list[Update], candidates: list[Message],
+                 rec: RoundRecord) -> tuple[list[Update], list[Message]]:
+        """Each update in the global's form as the rules want it (mixed ranks written at the server's rank);
+        one a rule cannot take is recorded as dropped, with why."""
+        out_u, out_c = [], []
+        for u, c in zip(updates, candidates, strict=True):
+            v: Update | str = u
+            for rule in self.rules:
+                v = rule.prepare(v)
+                if isinstance(v, str):
+                    rec.dropped[u.name] = v
+                    break
+            else:
+                out_u.append(v)
+                out_c.append(c if v.arrays is u.arrays else with_arrays(c, dict(v.arrays)))
+        return out_u, out_c
+
     def _screen(self, r: int, updates: list[Update], rec: RoundRecord) -> list[int]:
         """The updates kept (indices): those the robust screen passes and no rule objects to."""
         norm_k = self.server_cfg.robust.norm_k
         for rule in self.rules:
             norm_k = rule.screen_norm_k(norm_k)
-        screening = screen_updates(updates, self._global, norm_k, list(self._norm_history))
+        norm = next((rule.norm for rule in self.rules if type(rule).norm is not Rule.norm), None)
+        screening = screen_updates(updates, self._global, norm_k, list(self._norm_history), norm)
         passed = [updates[i] for i in screening.kept]
         for i in list(screening.kept):
             if why := next((w for rule in self.rules if (w := rule.breaks(updates[i], passed, self._global))), None):
@@ -381,7 +401,8 @@ class CollmRounds:
             log(INFO, "round %d: the global adapter did not change; no evaluation, the edges keep "
                 "serving what they serve", r)
             return []
-        config = ConfigRecord({**dict(config), **self._signed(r, grid)})
+        config = ConfigRecord({**dict(config), **{k: v for rule in self.rules for k, v in rule.evaluate_config().items()},
+                               **self._signed(r, grid)})
         self._outbox = list(super().configure_evaluate(r, wire.pack_record(arrays), config, grid))
         return self._outbox
 

@@ -28,17 +28,19 @@ from collm.common.rounds import latest_complete_round
 from collm.server.checkpoints import load_all_metrics, load_round
 from collm.server.config import ServerConfig
 from collm.server.strategy import CollmFedAdam, CollmFedProx, build_strategy
+from collm.common.lora_rank import fit_rank
 from collm.common.protocol import LoadReport
 
 KEYS = {f"base_model.model.model.layers.{i}.self_attn.{m}_proj.lora_{w}.weight": shape
         for i in range(2) for m in ("q", "v") for w, shape in (("A", (4, 16)), ("B", (16, 4)))}
 
 
-def seeded_initial_adapter() -> dict[str, np.ndarray]:
-    """What every edge starts from in round 1 (identical seed on all edges)."""
+def seeded_initial_adapter(rank: int = 4) -> dict[str, np.ndarray]:
+    """What every edge starts from in round 1 (identical seed on all edges; `rank`: a mixed-rank edge's)."""
     rng = np.random.default_rng(1234)
+    shapes = {k: ((rank, s[1]) if "lora_A" in k else (s[0], rank)) for k, s in KEYS.items()}
     return {k: (rng.standard_normal(s) * 0.1 if "lora_A" in k else np.zeros(s)).astype(np.float32)
-            for k, s in KEYS.items()}
+            for k, s in shapes.items()}
 
 
 # ------------------------------------------------------------------------------ fake edges
@@ -61,6 +63,9 @@ class FakeEdge:
     gone_for: tuple = ()  # message types the SuperLink answers for it with Node Unavailable (it left)
     malformed: str | None = None  # its TRAIN reply's arrays: one of MALFORMED (a malicious or broken edge)
     claims: float | None = None  # the num-examples it reports, whatever it trained on
+    rank: int = 4  # under "lora-alpha" (lora_aggregation product) it fits each global to this rank, as the real edge
+    alpha: float = 8.0
+    sends_alpha: bool = True
     queries: int = 0
     evals: list[int] = field(default_factory=list)
 
@@ -112,13 +117,17 @@ def _train(msg: Message, context: Context) -> Message:
     edge = EDGES[context.node_config["name"]]
     cfg = dict(msg.content["config"])
     rec = msg.content["arrays"]
-    start = wire.unpack(rec) or seeded_initial_adapter()  # what the server sends is packed, like a real edge reads it
+    start = wire.unpack(rec) or seeded_initial_adapter(edge.rank)  # what the server sends is packed, as an edge reads it
+    if "lora-alpha" in cfg and wire.unpack(rec):
+        start, _ = fit_rank(start, cfg["lora-alpha"], edge.rank, edge.alpha, seeded_initial_adapter(edge.rank))
     edge.train_configs.append(cfg)
     edge.train_arrays.append({k: v.copy() for k, v in start.items()})
     scale = 100.0 if edge.scale_from_round and cfg["server-round"] >= edge.scale_from_round else 1.0
     frozen = cfg.get("lora-freeze-a") and edge.honours_freeze
     local = {k: (v if frozen and "lora_A" in k else v + scale * edge.delta()).astype(np.float32)
              for k, v in start.items()}
+    if "lora-alpha" in cfg:  # mixed ranks: a full-rank step, so the products' sum has more than the server's rank
+        local = product_step(start, edge, cfg["server-round"])
     if "clipping_norm" in cfg and edge.clips:
         from flwr.supercore.differential_privacy import compute_clip_model_update
 
@@ -132,7 +141,8 @@ def _train(msg: Message, context: Context) -> Message:
     examples = cfg["budget-tokens"] // 100 if edge.claims is None else edge.claims
     metrics = MetricRecord({"num-examples": examples, "train-loss": 2.0 - edge.delta(),
                             "train-tokens": cfg["budget-tokens"], "train-steps": 3, "deadline-hit": 0,
-                            "seconds": 1.0, **({"extra": 1.0} if edge.extra_metric else {})})
+                            "seconds": 1.0, **({"extra": 1.0} if edge.extra_metric else {}),
+                            **({"lora-alpha": edge.alpha} if "lora-alpha" in cfg and edge.sends_alpha else {})})
     arrays = ArrayRecord({k: Array(v) for k, v in local.items()}) if edge.keyed_reply else wire.pack(local)
     if edge.malformed:
         arrays = MALFORMED[edge.malformed]()
@@ -498,6 +508,59 @@ def test_ffa_lora_keeps_a_at_the_seeded_init_and_drops_an_update_that_moved_it(t
     np.testing.assert_allclose(ck1.arrays[b], want[b], rtol=1e-5, atol=1e-7)
 
 
+def product_step(start: dict, edge: FakeEdge, rnd: int) -> dict:
+    rng = np.random.default_rng(100 * edge.index + rnd)
+    return {k: (v + edge.delta() * rng.standard_normal(v.shape)).astype(np.float32) for k, v in sorted(start.items())}
+
+
+def dense(state: dict, alpha: float) -> dict[str, np.ndarray]:
+    """Module -> alpha/r · B·A, the weight change an adapter makes."""
+    return {k: alpha / state[k].shape[0] * state[k.replace("lora_A", "lora_B")].astype(np.float64)
+            @ state[k].astype(np.float64) for k in state if "lora_A" in k}
+
+
+def test_product_aggregation_mixes_ranks_exactly_and_truncates_to_the_server_rank(tmp_path):
+    """Edges of ranks 1, 2 and 3 (alpha 8, 4, 6) under a server of rank 4: the global is the best rank-4
+    approximation of the example-weighted mean of the products (here the sum has rank up to 6)."""
+    grid = make_grid(idle={"rank": 1, "alpha": 8.0}, busy={"rank": 2, "alpha": 4.0},
+                     slow={"rank": 3, "alpha": 6.0, "attainment": 0.99})
+    cfg = server_cfg(tmp_path, rounds=2, lora_aggregation="product")
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=2, timeout=30)
+    assert all(m.content["config"]["lora-alpha"] == 8 for m in grid.sent_of(MessageType.TRAIN))
+    assert all(m.content["config"]["lora-alpha"] == 8 for m in grid.sent_of(MessageType.EVALUATE))
+    for r in (1, 2):
+        m = load_round(cfg.checkpoint_dir, r)
+        assert sorted(m.metrics["kept"]) == ["busy", "idle", "slow"] and not m.metrics["dropped"]
+        assert {k: v.shape for k, v in m.arrays.items()} == KEYS  # the server's rank, what PEFT loads
+        assert 0.9 < m.metrics["rank_energy"] <= 1.0
+    # round 2 by hand: each edge's start is the round-1 global at its rank, its update adds its delta
+    g1, g2 = load_round(cfg.checkpoint_dir, 1), load_round(cfg.checkpoint_dir, 2)
+    locals_, weights = [], []
+    for e in (EDGES["idle"], EDGES["busy"], EDGES["slow"]):
+        start, _ = fit_rank(g1.arrays, 8.0, e.rank, e.alpha, seeded_initial_adapter(e.rank))
+        assert e.train_arrays[1].keys() == start.keys()
+        for k in start:
+            np.testing.assert_allclose(e.train_arrays[1][k], start[k], atol=1e-6)  # the start it was sent
+        locals_.append(dense(product_step(start, e, 2), e.alpha))
+        weights.append(g2.metrics["train"][e.name]["num-examples"])
+    got = dense(g2.arrays, 8.0)
+    for mod in got:
+        mean = sum(w * d[mod] for w, d in zip(weights, locals_)) / sum(weights)
+        u, sv, vt = np.linalg.svd(mean)
+        np.testing.assert_allclose(got[mod], (u[:, :4] * sv[:4]) @ vt[:4], atol=1e-5)
+        assert np.linalg.matrix_rank(mean) > 4  # the truncation did something
+
+
+def test_product_aggregation_leaves_out_a_rank_above_the_server_and_a_reply_without_alpha(tmp_path):
+    grid = make_grid(busy={"rank": 6}, slow={"sends_alpha": False, "attainment": 0.99})
+    cfg = server_cfg(tmp_path, rounds=1, lora_aggregation="product")
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=1, timeout=30)
+    m = load_round(cfg.checkpoint_dir, 1).metrics
+    assert m["kept"] == ["idle"]
+    assert m["dropped"]["busy"] == "rank 6 is above the server's lora.r 4"
+    assert "no numeric 'lora-alpha'" in m["dropped"]["slow"]
+
+
 def test_dp_clips_averages_equally_adds_calibrated_noise_and_accounts_epsilon(tmp_path):
     from collm.server.privacy import PrivacyLedger, Release
 
@@ -578,9 +641,12 @@ def test_the_commented_dp_example_in_the_shipped_config_is_valid(tmp_path):
     ("robust: {norm: 3}", "x.yaml: robust.norm: unknown key (allowed here: max_weight_ratio, norm_k, weighting)"),
     ("round_timeout_s: 60", "round_timeout_s (60) must be larger than balancer.round_deadline_s (120)"),
     ("fraction_train: 0", "x.yaml: fraction_train: expected greater than 0, got 0"),
-    ("lora_aggregation: fedex", "x.yaml: lora_aggregation: expected 'separate' or 'ffa', got 'fedex'"),
+    ("lora_aggregation: fedex", "x.yaml: lora_aggregation: expected 'separate', 'ffa' or 'product', got 'fedex'"),
     ("dp: {noise_multiplier: 1.0}", "x.yaml: dp.clipping_norm: "),
     ("{strategy: fedadam, dp: {clipping_norm: 1}}", "dp: works with strategy fedavg or fedprox"),
+    ("{lora_aggregation: product, strategy: fedadam}", "lora_aggregation: product averages the products B.A itself; "
+     "it works with strategy fedavg or fedprox and without dp (got strategy fedadam)"),
+    ("{lora_aggregation: product, dp: {clipping_norm: 1}}", "(got strategy fedavg, dp on)"),
 ])
 def test_bad_server_config_is_a_one_line_user_error(tmp_path, monkeypatch, text, message):
     from collm.common.errors import UserError

@@ -183,16 +183,17 @@ class Engine:
 
     def train(self, budget: TrainBudget, global_state: dict | None = None, proximal_mu: float = 0.0,
               lr: float | None = None, serve_local: bool = True, carry: bool = False,
-              freeze_a: bool = False) -> Future:
+              freeze_a: bool = False, rebase=None) -> Future:
         """Queue local training; the future resolves to a JobReport (its `adapter_state` is the update).
         `serve_local`: publish its steps as `<name>:local` (every `adapters.local_every`). `carry` (a
         federated round; with `training.carry_between_rounds`): keep training in idle time after it,
-        for the next round's job to absorb (see `training.trainer`). `freeze_a`: FFA-LoRA, only B is trained."""
+        for the next round's job to absorb (see `training.trainer`). `freeze_a`: FFA-LoRA, only B is trained.
+        `rebase`: how the absorbed carry goes onto the new global (mixed ranks: as products)."""
         if self.trainer is None:
             raise EngineError("this engine has no training data")
         return self._queue_job(self.trainer.job(budget, global_state, proximal_mu, lr, serve_local,
                                                 carry_after=carry and self.cfg.training.carry_between_rounds,
-                                                freeze_a=freeze_a))
+                                                freeze_a=freeze_a, rebase=rebase))
 
     def carried_tokens(self) -> int:
         """Tokens trained since the last round's update that the next round's update will carry."""

@@ -32,7 +32,7 @@ from collm.common import protocol as P
 from collm.common.run_proof import PROOF_KEY
 from collm.common.run_proof import refusal as run_refusal
 from collm.edge_client.federation.canary import canary_verdict
-from collm.edge_client.federation.records import clipped_update, to_arrays, to_state
+from collm.edge_client.federation.records import clipped_update, fit_to_rank, product_rebase, to_arrays, to_state
 from collm.edge_client.training.jobs import TrainBudget
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class FederatedEdge:
         self._tokens_by_round: dict[int, int] = {}
         self.refused: dict[int, str] = {}  # global version -> why the canary gate refused it
         self.budget_fill: float | None = None  # tokens trained / budget in the last round (the load report's)
+        self.rank_energy = 1.0  # mixed ranks: the share of the last global's energy this edge's rank kept
         self.run_keys = runtime.cfg.federation.run_key.resolve("federation.run_key")
         self.foreign_refused = 0  # messages refused as not from this federation's ServerApp
 
@@ -106,7 +107,17 @@ class FederatedEdge:
             carried_tokens=self.rt.engine.carried_tokens(), train_share=snap.train_share,
             budget_fill=self.budget_fill)
 
-    def adopt_global(self, arrays: ArrayRecord, version: int) -> dict | None:
+    def own_rank(self, state: dict, cfg) -> dict:
+        """Under lora_aggregation product (the config carries the global's LoRA alpha): the global fitted to
+        this edge's own `lora.r` (truncated SVD; the energy it keeps is reported with the evaluation)."""
+        if P.LORA_ALPHA not in cfg:
+            return state
+        lora = self.rt.cfg.lora
+        state, energy = fit_to_rank(state, float(cfg[P.LORA_ALPHA]), lora.r, lora.alpha, self.rt.engine.initial_state)
+        self.rank_energy = energy
+        return state
+
+    def adopt_global(self, arrays: ArrayRecord, version: int, cfg=None) -> dict | None:
         """Serve the global adapter of round `version` unless this edge already serves it (or newer)
         or the canary gate refuses it; returns its state (None for an empty record: round 1 starts
         from the seeded initial adapter). A TRAIN message carries a global this edge has not seen
@@ -114,7 +125,7 @@ class FederatedEdge:
         it is gated here as it would have been there."""
         if not len(arrays):
             return None
-        state = to_state(arrays)
+        state = self.own_rank(to_state(arrays), cfg or {})
         margin = self.rt.cfg.adapters.canary_margin
         if version > 0 and version not in self.refused and version > self.rt.latest_round:
             if margin is None:
@@ -140,7 +151,8 @@ class FederatedEdge:
         cfg = msg.content[P.CONFIG]
         rnd = int(cfg.get(P.SERVER_ROUND, 0))
         # the global after round rnd-1: served from now on if this edge missed that round's evaluate
-        state = self.adopt_global(msg.content[P.ARRAYS], rnd - 1)
+        state = self.adopt_global(msg.content[P.ARRAYS], rnd - 1, cfg)
+        product = P.LORA_ALPHA in cfg  # mixed ranks: this edge trains its own lora.r (common/lora_rank.py)
         if state is None:
             state = eng.initial_state
         tokens = int(cfg.get(P.BUDGET_TOKENS, 0)) or eng.cfg.training.default_round_tokens
@@ -152,7 +164,9 @@ class FederatedEdge:
         report = eng.train(budget, global_state=state, proximal_mu=float(cfg.get(P.PROXIMAL_MU, 0.0)),
                            lr=float(cfg[P.LR]) if P.LR in cfg else None,
                            serve_local=(rnd - 1) not in self.refused, carry=True,
-                           freeze_a=bool(cfg.get(P.FREEZE_A, 0))).result()
+                           freeze_a=bool(cfg.get(P.FREEZE_A, 0)),
+                           rebase=product_rebase(self.rt.cfg.lora.r, self.rt.cfg.lora.alpha, eng.initial_state)
+                           if product else None).result()
         with self.lock:
             self.rounds_trained += 1
             self.last_round = rnd
@@ -167,6 +181,8 @@ class FederatedEdge:
         if P.CLIPPING_NORM in cfg:  # DP: the update leaves this edge clipped (collm.server.privacy)
             update, norm = clipped_update(update, state, float(cfg[P.CLIPPING_NORM]))
             extra[P.UPDATE_NORM] = norm
+        if product:
+            extra[P.LORA_ALPHA] = float(self.rt.cfg.lora.alpha)
         metrics = MetricRecord({
             P.NUM_EXAMPLES: int(report.sequences),
             P.TRAIN_LOSS: _num(report.loss),
@@ -182,13 +198,15 @@ class FederatedEdge:
         return Message(content, reply_to=msg)
 
     def evaluate(self, msg: Message, context: Context) -> Message:
-        rnd = int(msg.content[P.CONFIG].get(P.SERVER_ROUND, 0))
+        cfg = msg.content[P.CONFIG]
+        rnd = int(cfg.get(P.SERVER_ROUND, 0))
         arrays = msg.content[P.ARRAYS]
-        report, refused = self.evaluate_global(to_state(arrays) if len(arrays) else None, rnd)
+        report, refused = self.evaluate_global(self.own_rank(to_state(arrays), cfg) if len(arrays) else None, rnd)
         version = self.rt.engine.shadow.current_version
         metrics = MetricRecord({P.NUM_EXAMPLES: int(report.sequences), P.EVAL_LOSS: float(report.loss),
                                 P.EVAL_ACCURACY: _num(report.accuracy), P.ADAPTER_VERSION: float(version),
-                                P.CANARY_REFUSED: int(refused is not None)})
+                                P.CANARY_REFUSED: int(refused is not None),
+                                **({P.RANK_ENERGY: float(self.rank_energy)} if P.LORA_ALPHA in cfg else {})})
         return Message(RecordDict({P.METRICS: metrics, P.IDENTITY: self._identity()}), reply_to=msg)
 
     def evaluate_global(self, state: dict | None, rnd: int):
@@ -290,7 +308,8 @@ class EdgeFederation:
         if r <= self.rt.latest_round:
             return None
         try:
-            state, _ = load_adapter(round_dir(checkpoint_dir, r))
+            state, adapter_cfg = load_adapter(round_dir(checkpoint_dir, r))
+            state = self._at_own_rank(state, adapter_cfg)
         except UserError as e:
             log.warning("edge %s: cannot read round %d's adapter from %s: %s", self.rt.cfg.name, r, checkpoint_dir, e)
             return None
@@ -300,6 +319,24 @@ class EdgeFederation:
         self.rt.publish_global(state, r, source="bootstrap")
         log.info("edge %s: caught up to the global adapter of round %d from %s", self.rt.cfg.name, r, checkpoint_dir)
         return r
+
+    def _at_own_rank(self, state: dict, adapter_cfg: dict) -> dict:
+        """A checkpoint of another rank (a mixed-rank federation) fitted to this edge's `lora.r`."""
+        from collm.common import lora_rank
+        from collm.common.errors import UserError
+
+        try:
+            rank = lora_rank.rank_of({k: v.numpy() for k, v in state.items()})
+        except ValueError as e:
+            raise UserError(f"not a LoRA adapter: {e}") from None
+        lora = self.rt.cfg.lora
+        alpha = adapter_cfg.get("lora_alpha")
+        if rank == lora.r or not isinstance(alpha, (int, float)) or alpha <= 0:
+            return state  # same rank, or no alpha to fit by: check_compatible decides
+        state, energy = fit_to_rank(state, float(alpha), lora.r, lora.alpha, self.rt.engine.initial_state)
+        log.info("edge %s: the checkpoint's rank-%d adapter fitted to rank %d (energy kept %.3f)", self.rt.cfg.name,
+                 rank, lora.r, energy)
+        return state
 
     def stop(self) -> None:
         if self.executor is not None:

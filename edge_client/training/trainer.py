@@ -110,8 +110,9 @@ class LocalTrainer:
 
     def job(self, budget: TrainBudget, global_state: dict | None = None, proximal_mu: float = 0.0,
             lr: float | None = None, serve_local: bool = True, carry_after: bool = False,
-            freeze_a: bool = False) -> TrainJob:
+            freeze_a: bool = False, rebase=None) -> TrainJob:
         job = TrainJob(self, budget, global_state, proximal_mu, lr)
+        job.rebase = rebase  # how a carry absorbed at the start is put on the new global (None: factor-wise)
         job.freeze_a = freeze_a  # FFA-LoRA: only B is trained (see the module docstring)
         job.serve_local = serve_local  # False: this job's steps are not served as `:local` (e.g. a refused global)
         job.carry_after = carry_after  # True: the engine starts `carry(job)` when it ends
@@ -152,6 +153,7 @@ class TrainJob(PassJob):
         self.carry_after = False  # the engine's core starts `make_carry()` when it ends
         self.base: dict | None = None  # a carry job: the adapter it started from (the update sent)
         self.carried: TrainJob | None = None  # the carry job this round's job absorbs when it starts
+        self.rebase = None  # (global, now, base) -> the start with the carry's work on the new global; None: factor-wise
 
     def absorb(self, carry: TrainJob) -> None:
         self.carried = carry
@@ -187,8 +189,11 @@ class TrainJob(PassJob):
             t.adapter.load_peft(self.global_state)
             if self.mu > 0:  # FedProx pulls toward the global, not toward the rebased start
                 self._anchor = [p.detach().clone() for p in t.adapter.parameters()]
-            t.adapter.load_peft({k: self.global_state[k].to(v.device, v.dtype) + (v - c.base[k].to(v.device, v.dtype))
-                                 for k, v in now.items()})
+            if self.rebase is not None:  # e.g. mixed ranks: the factors are in different bases
+                t.adapter.load_peft(self.rebase(self.global_state, now, c.base))
+            else:
+                t.adapter.load_peft({k: self.global_state[k].to(v.device, v.dtype) + (v - c.base[k].to(v.device, v.dtype))
+                                     for k, v in now.items()})
         for k in ("microbatches", "sequences", "tokens", "answer_tokens", "steps", "compute_seconds", "units",
                   "deferrals"):
             setattr(r, k, getattr(r, k) + getattr(cr, k))
