@@ -11,8 +11,15 @@ product. `energy` is the share of the sum's squared singular values the rank-r f
 a sum whose rank is at most r is kept exactly). The base weights are never touched.
 
 Directions the sum does not use (singular value 0) would give a pair whose A row and B column are both
-zero, which no gradient can move again; `fill_a` puts a trainable A row there (the edge's seeded
-initial A), with B's column zero, so the product is unchanged.
+zero, which no gradient can move again; `fill` puts a trainable A row there (the edge's seeded
+initial A), with B's column zero, so the product is unchanged. With a `fill`, every A row also gets
+the seeded rows' norm and B carries the magnitude (A = c·Vᵀ, B = U·S/(scale·c)), the regime LoRA
+trains in; a balanced split (√S on each side) would leave a weak direction with a tiny A row that
+barely trains.
+
+Edges of a lower rank start from the global cut to their rank, so the server aggregates each edge's
+change from its own start (global + Σ w·(local − start)), never the locals themselves: averaging
+those would pull the global toward the low-rank edges' cut-down copies even if nobody trained.
 """
 
 from __future__ import annotations
@@ -64,11 +71,16 @@ def _fit(Bs: Sequence[np.ndarray], As: Sequence[np.ndarray], coefs: Sequence[flo
     total = float(np.sum(s ** 2))
     live = int(np.sum(s > max(s[0] if len(s) else 0.0, 1e-30) * 1e-10)) if total > 0 else 0
     k = min(r, live)
-    root = np.sqrt(s[:k] / scale)
     B = np.zeros((Bst.shape[0], r))
     A = np.zeros((r, Ast.shape[1]))
-    B[:, :k] = (qb @ u[:, :k]) * root
-    A[:k] = root[:, None] * (vt[:k] @ qa.T)
+    c = float(np.median(np.linalg.norm(np.asarray(fill, np.float64), axis=1))) if fill is not None else 0.0
+    if c > 0:  # A rows at the seeded norm, B carries the magnitude
+        B[:, :k] = (qb @ u[:, :k]) * (s[:k] / (scale * c))
+        A[:k] = c * (vt[:k] @ qa.T)
+    else:  # balanced
+        root = np.sqrt(s[:k] / scale)
+        B[:, :k] = (qb @ u[:, :k]) * root
+        A[:k] = root[:, None] * (vt[:k] @ qa.T)
     if fill is not None and k < r:
         A[k:] = np.asarray(fill, np.float64)[k:r]
     return B, A, float(np.sum(s[:k] ** 2)), total
@@ -96,6 +108,19 @@ def fit_rank(state: State, alpha_in: float, r: int, alpha: float,
              fill: State | None = None) -> tuple[dict[str, np.ndarray], float]:
     """The same adapter at rank `r` with LoRA alpha `alpha` (exact when its rank is at most r), and the energy kept."""
     return combine([(state, alpha_in / rank_of(state))], r, alpha, fill)
+
+
+def align(state: State, reference: State) -> dict[str, np.ndarray]:
+    """The same products in the basis closest to `reference`'s (same rank): A → R·A, B → B·Rᵀ with R the
+    orthogonal Procrustes rotation of A onto the reference's A. A refactored adapter then stays near the
+    factors an optimizer's moments and a proximal term were computed on."""
+    out = {}
+    for a, b in pairs(state).values():
+        A, B = np.asarray(state[a], np.float64), np.asarray(state[b], np.float64)
+        u, _, vt = np.linalg.svd(np.asarray(reference[a], np.float64) @ A.T)
+        R = u @ vt
+        out[a], out[b] = (R @ A).astype(np.float32), (B @ R.T).astype(np.float32)
+    return out
 
 
 def product_distance(x: State, alpha_x: float, y: State, alpha_y: float) -> float:

@@ -40,6 +40,7 @@ CLIPPING_NORM = "clipping_norm"  # DP: clip the update to this L2 norm (Flower's
 # lora_aggregation product (common/lora_rank.py): in TRAIN/EVALUATE config, the global's LoRA alpha (the edge fits
 # the global to its own rank); in a TRAIN reply, the edge's own alpha (the server needs it for the product)
 LORA_ALPHA = "lora-alpha"
+LORA_MAX_RANK = "lora-max-rank"  # product, in TRAIN config: the server's lora.r (an edge above it refuses)
 
 # reply metrics (MetricRecord keys), written by edge_client/federation/client.py, read by server/
 TRAIN_LOSS, TRAIN_TOKENS, TRAIN_STEPS = "train-loss", "train-tokens", "train-steps"

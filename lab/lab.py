@@ -89,13 +89,15 @@ def make_keys(d: Path) -> dict[str, Path]:
 
 def lab_edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: str | None = None,
                      certs: dict[str, Path] | None = None, keys: dict[str, Path] | None = None,
-                     eval_records: int | None = None, ranks: list[int] | None = None) -> list[EdgeConfig]:
+                     eval_records: int | None = None, ranks: list[int] | None = None,
+                     quantization: list[str] | None = None) -> list[EdgeConfig]:
     """One config per edge: own name, ports, Dolly categories (non-IID) and state dir; the N edges
     share this machine's cores (oversubscribed torch threads spin and stall each other).
 
     With `certs` (from `make_certs`), each edge talks TLS to the SuperLink and signs in with its
     own key, `certs[name]`. With `keys` (from `make_keys`), /v1/* needs a key and /admin/* (on) the admin
-    token. `ranks`: each edge's LoRA rank (a mixed-rank fleet). Every edge catches up from the lab's
+    token. `ranks`: each edge's LoRA rank (a mixed-rank fleet); `quantization`: each edge's base precision
+    (none, nf4, int8: bitsandbytes). Every edge catches up from the lab's
     checkpoints when it (re)starts."""
     parts = partition_by_category(load_records(), n)
     threads = max(1, len(usable_cpus()) // n)
@@ -116,6 +118,8 @@ def lab_edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: s
             overrides["model"]["cache_dir"] = cache_dir
         if ranks:
             overrides["lora"] = {"r": ranks[i]}
+        if quantization:
+            overrides["model"]["quantization"] = quantization[i]
         configs.append(edge_config(model, name, out, categories=categories(part), superlink=superlink,
                                    overrides=overrides))
     return configs
@@ -129,6 +133,13 @@ def _ranks(text: str) -> list[int]:
     if any(not 1 <= r <= 256 for r in ranks):
         raise argparse.ArgumentTypeError(f"{text!r}: each rank must be 1 to 256")
     return ranks
+
+
+def _precisions(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",")]
+    if bad := [x for x in out if x not in ("none", "nf4", "int8")]:
+        raise argparse.ArgumentTypeError(f"{text!r}: {bad[0]!r} is not none, nf4 or int8")
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=_ranks, metavar="R,R,...", help="each edge's LoRA rank, e.g. 4,8,16: a mixed-rank "
                    "fleet, aggregated exactly as products and served at each edge's rank (lora_aggregation product; "
                    "the server's lora.r is the largest)")
+    p.add_argument("--quantization", type=_precisions, metavar="Q,Q,...", help="each edge's base precision: none, "
+                   "nf4 or int8 (bitsandbytes; LoRA trains on the quantized base, QLoRA), e.g. none,nf4,none")
     p.add_argument("--prometheus", action="store_true", help="also start the round exporter and a real "
                    "Prometheus on loopback scraping every process, with the alert rules (needs `prometheus`: "
                    "apt-get install prometheus); its URL is printed and its data kept in OUT/prometheus")
@@ -231,6 +244,8 @@ def check_args(args) -> None:
         raise UserError(f"--round-deadline {args.round_deadline:g}: give a positive number of seconds")
     if args.ranks and len(args.ranks) != args.edges:
         raise UserError(f"--ranks: give one rank per edge ({args.edges}), got {len(args.ranks)}")
+    if args.quantization and len(args.quantization) != args.edges:
+        raise UserError(f"--quantization: give one precision per edge ({args.edges}), got {len(args.quantization)}")
     if args.linger < 0:
         raise UserError(f"--linger {args.linger:g}: give 0 or more seconds")
     if args.prometheus:
@@ -254,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     client_key = keys["client"].read_text().strip() if keys else None
     auth = {"Authorization": f"Bearer {client_key}"} if keys else {}
     edges = lab_edge_configs(args.model, args.edges, superlink, out, args.cache_dir, certs, keys, args.eval_records,
-                             args.ranks)
+                             args.ranks, args.quantization)
     server_cfg = server_config(args, out, edges, keys)
     (out / "server.yaml").write_text(dump_config(server_cfg))
     paths = {e.name: write_config(out / f"{e.name}.yaml", e) for e in edges}

@@ -95,7 +95,7 @@ def update_norm(arrays: Mapping[str, np.ndarray], global_arrays: Mapping[str, np
 def screen_updates(updates: Sequence[Update], global_arrays: Mapping[str, np.ndarray],
                    norm_k: float, history: Sequence[float] = (), norm=None) -> Screening:
     """Which updates to aggregate, and why each of the others was left out (`history`: update
-    norms the last rounds kept; `norm(arrays, global)`: the update norm, `update_norm` unless given)."""
+    norms the last rounds kept; `norm(update, global)`: the update norm, `update_norm` of its arrays unless given)."""
     out = Screening()
     if global_arrays:
         expected, out.reference = signature(global_arrays), "global adapter"
@@ -117,8 +117,8 @@ def screen_updates(updates: Sequence[Update], global_arrays: Mapping[str, np.nda
         else:
             survivors.append(i)
 
-    norm = norm or update_norm
-    out.norms = {i: norm(updates[i].arrays, global_arrays) for i in survivors}
+    norm = norm or (lambda u, g: update_norm(u.arrays, g))
+    out.norms = {i: norm(updates[i], global_arrays) for i in survivors}
     reference = [out.norms[i] for i in survivors] + [float(h) for h in history]
     if len(reference) >= MIN_UPDATES_FOR_NORM_CHECK:
         out.median_norm = float(np.median(reference))

@@ -5,8 +5,8 @@ rule chosen by the server config adds to that, at four points of a round:
 
 * `train_config()`, `evaluate_config()`: keys every TRAIN / EVALUATE message carries (an edge needs them
   to follow the rule);
-* `prepare(update)`: the update in the global's form before it is screened, or why it cannot be;
-  `norm(arrays, global_)`: the update norm the robust screen compares (None: the screen's own);
+* `prepare(update, global_)`: the update in the global's form before it is screened, or why it cannot
+  be; `norm(update, global_)`: the update norm the robust screen compares (None: the screen's own);
 * `screen_norm_k(k)`: the robust screen's norm bound (DP turns the data-dependent screen off);
 * `breaks(update, kept, global_)`: why an update that passed the robust screen breaks the rule;
 * `weight()`: each kept update's aggregation weight, if the rule fixes it; `after(arrays, kept, rec)`:
@@ -44,10 +44,10 @@ class Rule:
     def evaluate_config(self) -> dict:
         return {}
 
-    def prepare(self, u: Update) -> Update | str:
+    def prepare(self, u: Update, global_: Arrays) -> Update | str:
         return u
 
-    def norm(self, arrays: Arrays, global_: Arrays) -> float | None:
+    def norm(self, u: Update, global_: Arrays) -> float | None:
         return None
 
     def screen_norm_k(self, norm_k: float) -> float:
@@ -145,24 +145,29 @@ class DifferentialPrivacy(Rule):
 
 class ProductLora(Rule):
     """Mixed-rank LoRA (`lora_aggregation: product`, common/lora_rank.py): each edge trains the rank its
-    `lora.r` says; the aggregate is the weighted average of the products scale·B·A (exact, by stacking),
-    brought to the server's `lora.r` by truncated SVD (the energy kept is in the round record). An update
-    of rank up to `lora.r` is first written at that rank exactly, so the screen and the checkpoint see one
-    shape; the screen compares products, not factors (factors in different bases are not comparable).
-    Edges fit each global to their own rank (the TRAIN/EVALUATE config carries the global's alpha)."""
+    `lora.r` says, from the global cut to that rank. The new global is the old one plus the weighted mean of
+    each edge's change from its own start, as products scale·B·A (exact, by stacking), brought to the
+    server's `lora.r` by truncated SVD (the energy kept is in the round record); an edge's start is computed
+    here as it computes it (the same fit, the same products), so a round in which nobody trains leaves the
+    global as it was. The screen compares those changes (factors in different bases are not comparable).
+    An update is also written at the server's rank, exactly, so the screen's shape check and flwr's own
+    average see one shape (that average is replaced by this rule's). Edges fit each global to their own
+    rank (TRAIN/EVALUATE carry the global's alpha; TRAIN also the server's rank, the most an edge may train)."""
 
     name = "product"
 
     def __init__(self, cfg: ServerConfig):
         self.r, self.alpha = cfg.lora.r, cfg.lora.alpha
+        self._global: Arrays = {}
+        self._changes: dict[str, tuple[Arrays, float, Arrays]] = {}  # edge -> (its local, its alpha, its start)
 
     def train_config(self) -> dict:
-        return {P.LORA_ALPHA: self.alpha}
+        return {P.LORA_ALPHA: self.alpha, P.LORA_MAX_RANK: self.r}
 
     def evaluate_config(self) -> dict:
         return {P.LORA_ALPHA: self.alpha}
 
-    def prepare(self, u: Update) -> Update | str:
+    def prepare(self, u: Update, global_: Arrays) -> Update | str:
         if u.lora_alpha is None:
             return f"lora_aggregation product: the reply has no numeric '{P.LORA_ALPHA}' (the edge's LoRA alpha)"
         try:
@@ -171,19 +176,29 @@ class ProductLora(Rule):
                 return f"rank {rank} is above the server's lora.r {self.r}"
             if bad := next((k for k, v in u.arrays.items() if not np.isfinite(v).all()), None):
                 return f"non-finite values in {bad}"
+            # where it started: the global at its rank (round 1: the seeded init, B = 0, a zero product)
+            start = fit_rank(global_, self.alpha, rank, u.lora_alpha)[0] if global_ else {}
             arrays, _ = fit_rank(u.arrays, u.lora_alpha, self.r, self.alpha)
         except ValueError as e:
             return f"malformed reply: {e}"
+        self._global = global_
+        self._changes[u.name] = (u.arrays, u.lora_alpha, start)
         return replace(u, arrays=arrays, lora_alpha=self.alpha)
 
-    def norm(self, arrays: Arrays, global_: Arrays) -> float:
-        return product_distance(arrays, self.alpha, global_, self.alpha)
+    def norm(self, u: Update, global_: Arrays) -> float:
+        local, alpha, start = self._changes[u.name]
+        return product_distance(local, alpha, start, alpha)
 
     def after(self, arrays: dict[str, np.ndarray], kept: Sequence[Update], rec) -> dict:
         total = sum(u.num_examples for u in kept)
-        scale = self.alpha / self.r
-        state, energy = combine([(u.arrays, scale * u.num_examples / total) for u in kept], self.r, self.alpha)
+        terms = [(self._global, self.alpha / self.r)] if self._global else []
+        for u in kept:
+            local, alpha, start = self._changes[u.name]
+            coef = alpha / rank_of(local) * u.num_examples / total
+            terms += [(local, coef)] + ([(start, -coef)] if start else [])
+        state, energy = combine(terms, self.r, self.alpha)
         rec.rank_energy = round(energy, 6)
+        self._changes.clear()
         return state
 
 

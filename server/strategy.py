@@ -349,7 +349,10 @@ class CollmRounds:
         for u, c in zip(updates, candidates, strict=True):
             v: Update | str = u
             for rule in self.rules:
-                v = rule.prepare(v)
+                try:
+                    v = rule.prepare(v, self._global)
+                except Exception as e:  # noqa: BLE001 - an untrusted reply the rule cannot take is left out
+                    v = f"malformed reply ({type(e).__name__}: {str(e)[:300]})"
                 if isinstance(v, str):
                     rec.dropped[u.name] = v
                     break

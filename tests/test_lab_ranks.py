@@ -1,5 +1,6 @@
-"""A mixed-rank fleet through a real topology (`collm-lab --ranks 4,8,16`: a real flower-superlink on
-loopback, 3 tiny edges training LoRA ranks 4, 8 and 16, the router, requests under load).
+"""A mixed fleet through a real topology (`collm-lab --ranks 4,8,16 --quantization none,nf4,none`: a real
+flower-superlink on loopback, 3 tiny edges training LoRA ranks 4, 8 and 16, the rank-8 one on an nf4 base
+(bitsandbytes, QLoRA), the router, requests under load).
 
 Every round must aggregate every edge's update (none left out for its shape), the global must be
 written at the server's rank (16, what PEFT loads) with the energy that rank keeps, every edge must
@@ -29,7 +30,8 @@ RANKS = {"edge0": 4, "edge1": 8, "edge2": 16}
 def lab(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks") / "run"
     proc = subprocess.run([str(BIN / "collm-lab"), "--model", "tiny", "--edges", "3", "--rounds", str(ROUNDS),
-                           "--ranks", ",".join(map(str, RANKS.values())), "--load", "1", "--round-deadline", "4",
+                           "--ranks", ",".join(map(str, RANKS.values())), "--quantization", "none,nf4,none",
+                           "--load", "1", "--round-deadline", "4",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     ckpt = out / "checkpoints"
     metrics = {r: json.loads((ckpt / f"round-{r:04d}" / "metrics.json").read_text())
@@ -49,6 +51,8 @@ def test_every_rank_is_aggregated_in_every_round(lab):
         assert sorted(m["norms"]) == sorted(RANKS)
     adapter = load_file(str(lab["out"] / "checkpoints" / f"round-{ROUNDS:04d}" / "adapter_model.safetensors"))
     assert {v.shape[0] for k, v in adapter.items() if "lora_A" in k} == {16}  # the server's rank
+    edge1 = (lab["out"] / "logs" / "edge1.log").read_text()
+    assert "quantization=nf4" in edge1  # the nf4 edge trained on its 4-bit base, and its update was aggregated
 
 
 @pytest.mark.slow

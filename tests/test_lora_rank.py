@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from collm.common.lora_rank import combine, fit_rank, pairs, product_distance, rank_of
+from collm.common.lora_rank import align, combine, fit_rank, pairs, product_distance, rank_of
 
 RNG = np.random.default_rng(0)
 
@@ -82,3 +82,21 @@ def test_product_distance_is_the_frobenius_norm_of_the_difference():
 def test_malformed_adapters_are_value_errors(broken, message):
     with pytest.raises(ValueError, match=message):
         rank_of(broken(adapter(4)))
+
+
+def test_with_a_fill_a_rows_keep_the_seeded_norm_and_b_carries_the_magnitude():
+    x8, fill = adapter(8), adapter(4)
+    out, _ = fit_rank(x8, 16, 4, 8, fill)
+    for a, b in pairs(out).values():
+        c = np.median(np.linalg.norm(fill[a], axis=1))
+        np.testing.assert_allclose(np.linalg.norm(out[a], axis=1), c, rtol=1e-5)  # a weak direction still trains
+
+
+def test_align_keeps_the_products_and_turns_the_factors_toward_the_reference():
+    x4 = adapter(4)
+    turned, _ = fit_rank(x4, 16, 4, 16)  # same products, the SVD's basis
+    back = align(turned, x4)
+    for k, v in dense(back, 16).items():
+        np.testing.assert_allclose(v, dense(x4, 16)[k], atol=1e-4)
+    gap = lambda s: sum(np.linalg.norm(s[k] - x4[k]) for k in x4)  # noqa: E731
+    assert gap(back) < 0.5 * gap(turned)

@@ -66,6 +66,7 @@ class FakeEdge:
     rank: int = 4  # under "lora-alpha" (lora_aggregation product) it fits each global to this rank, as the real edge
     alpha: float = 8.0
     sends_alpha: bool = True
+    trains: bool = True  # False: under "lora-alpha" it sends back the start it was given
     queries: int = 0
     evals: list[int] = field(default_factory=list)
 
@@ -127,7 +128,7 @@ def _train(msg: Message, context: Context) -> Message:
     local = {k: (v if frozen and "lora_A" in k else v + scale * edge.delta()).astype(np.float32)
              for k, v in start.items()}
     if "lora-alpha" in cfg:  # mixed ranks: a full-rank step, so the products' sum has more than the server's rank
-        local = product_step(start, edge, cfg["server-round"])
+        local = product_step(start, edge, cfg["server-round"]) if edge.trains else dict(start)
     if "clipping_norm" in cfg and edge.clips:
         from flwr.supercore.differential_privacy import compute_clip_model_update
 
@@ -520,8 +521,9 @@ def dense(state: dict, alpha: float) -> dict[str, np.ndarray]:
 
 
 def test_product_aggregation_mixes_ranks_exactly_and_truncates_to_the_server_rank(tmp_path):
-    """Edges of ranks 1, 2 and 3 (alpha 8, 4, 6) under a server of rank 4: the global is the best rank-4
-    approximation of the example-weighted mean of the products (here the sum has rank up to 6)."""
+    """Edges of ranks 1, 2 and 3 (alpha 8, 4, 6) under a server of rank 4: the new global is the best rank-4
+    approximation of the old one plus the example-weighted mean of each edge's change from its own start
+    (the old global cut to its rank), as products."""
     grid = make_grid(idle={"rank": 1, "alpha": 8.0}, busy={"rank": 2, "alpha": 4.0},
                      slow={"rank": 3, "alpha": 6.0, "attainment": 0.99})
     cfg = server_cfg(tmp_path, rounds=2, lora_aggregation="product")
@@ -535,20 +537,40 @@ def test_product_aggregation_mixes_ranks_exactly_and_truncates_to_the_server_ran
         assert 0.9 < m.metrics["rank_energy"] <= 1.0
     # round 2 by hand: each edge's start is the round-1 global at its rank, its update adds its delta
     g1, g2 = load_round(cfg.checkpoint_dir, 1), load_round(cfg.checkpoint_dir, 2)
-    locals_, weights = [], []
+    changes, weights = [], []
     for e in (EDGES["idle"], EDGES["busy"], EDGES["slow"]):
         start, _ = fit_rank(g1.arrays, 8.0, e.rank, e.alpha, seeded_initial_adapter(e.rank))
         assert e.train_arrays[1].keys() == start.keys()
         for k in start:
             np.testing.assert_allclose(e.train_arrays[1][k], start[k], atol=1e-6)  # the start it was sent
-        locals_.append(dense(product_step(start, e, 2), e.alpha))
+        local, begin = dense(product_step(start, e, 2), e.alpha), dense(start, e.alpha)
+        changes.append({m: local[m] - begin[m] for m in local})
         weights.append(g2.metrics["train"][e.name]["num-examples"])
-    got = dense(g2.arrays, 8.0)
+    got, old = dense(g2.arrays, 8.0), dense(g1.arrays, 8.0)
     for mod in got:
-        mean = sum(w * d[mod] for w, d in zip(weights, locals_)) / sum(weights)
-        u, sv, vt = np.linalg.svd(mean)
+        new = old[mod] + sum(w * d[mod] for w, d in zip(weights, changes)) / sum(weights)
+        u, sv, vt = np.linalg.svd(new)
         np.testing.assert_allclose(got[mod], (u[:, :4] * sv[:4]) @ vt[:4], atol=1e-5)
-        assert np.linalg.matrix_rank(mean) > 4  # the truncation did something
+        assert np.linalg.matrix_rank(new) > 4  # the truncation did something
+
+
+def test_product_aggregation_leaves_the_global_as_it_is_when_nobody_trains(tmp_path):
+    """Rank-1 and rank-2 edges start from the rank-4 global cut to their rank; if they send that start back
+    unchanged, the global must not move (averaging the locals would pull it to their cut-down copies)."""
+    grid = make_grid(idle={"rank": 1}, busy={"rank": 2}, slow={"attainment": 0.99})
+    cfg = server_cfg(tmp_path, rounds=2, lora_aggregation="product")
+    strategy = build_strategy(cfg)
+    strategy.start(grid, ArrayRecord(), num_rounds=1, timeout=30)
+    for e in EDGES.values():
+        e.trains = False
+    build_strategy(cfg, round_offset=1).start(grid, ArrayRecord({k: Array(v) for k, v in
+                                                                 load_round(cfg.checkpoint_dir, 1).arrays.items()}),
+                                              num_rounds=1, timeout=30)
+    g1, g2 = dense(load_round(cfg.checkpoint_dir, 1).arrays, 8.0), dense(load_round(cfg.checkpoint_dir, 2).arrays, 8.0)
+    assert sorted(load_round(cfg.checkpoint_dir, 2).metrics["kept"]) == ["busy", "idle", "slow"]
+    for mod in g1:
+        assert np.linalg.matrix_rank(g1[mod]) > 2  # the low-rank edges were sent a cut-down copy
+        np.testing.assert_allclose(g2[mod], g1[mod], atol=1e-5)
 
 
 def test_product_aggregation_leaves_out_a_rank_above_the_server_and_a_reply_without_alpha(tmp_path):

@@ -153,6 +153,11 @@ class FederatedEdge:
         # the global after round rnd-1: served from now on if this edge missed that round's evaluate
         state = self.adopt_global(msg.content[P.ARRAYS], rnd - 1, cfg)
         product = P.LORA_ALPHA in cfg  # mixed ranks: this edge trains its own lora.r (common/lora_rank.py)
+        if product and self.rt.cfg.lora.r > int(cfg.get(P.LORA_MAX_RANK, self.rt.cfg.lora.r)):
+            why = (f"lora.r {self.rt.cfg.lora.r} is above the server's lora.r {int(cfg[P.LORA_MAX_RANK])}: set lora.r "
+                   f"to at most {int(cfg[P.LORA_MAX_RANK])} in {self.rt.cfg.name}'s config")
+            log.error("edge %s: round %d: %s", self.rt.cfg.name, rnd, why)
+            raise ValueError(why)
         if state is None:
             state = eng.initial_state
         tokens = int(cfg.get(P.BUDGET_TOKENS, 0)) or eng.cfg.training.default_round_tokens
@@ -323,6 +328,7 @@ class EdgeFederation:
     def _at_own_rank(self, state: dict, adapter_cfg: dict) -> dict:
         """A checkpoint of another rank (a mixed-rank federation) fitted to this edge's `lora.r`."""
         from collm.common import lora_rank
+        from collm.common.adapter_io import check_compatible
         from collm.common.errors import UserError
 
         try:
@@ -331,8 +337,11 @@ class EdgeFederation:
             raise UserError(f"not a LoRA adapter: {e}") from None
         lora = self.rt.cfg.lora
         alpha = adapter_cfg.get("lora_alpha")
-        if rank == lora.r or not isinstance(alpha, (int, float)) or alpha <= 0:
-            return state  # same rank, or no alpha to fit by: check_compatible decides
+        if (rank == lora.r and alpha == lora.alpha) or not isinstance(alpha, (int, float)) or alpha <= 0:
+            return state  # as this edge trains it, or no alpha to fit by: check_compatible decides
+        want = {k: (rank, s[1]) if "lora_A" in k else (s[0], rank) for k, s in self.rt.engine.layers.expected_shapes().items()}
+        if problems := check_compatible(state, want):  # other modules or sizes: no fit can make it this model's
+            raise UserError(problems[0])
         state, energy = fit_to_rank(state, float(alpha), lora.r, lora.alpha, self.rt.engine.initial_state)
         log.info("edge %s: the checkpoint's rank-%d adapter fitted to rank %d (energy kept %.3f)", self.rt.cfg.name,
                  rank, lora.r, energy)

@@ -26,12 +26,14 @@ def fit_to_rank(state: dict[str, torch.Tensor], alpha_in: float, r: int, alpha: 
 
 def product_rebase(r: int, alpha: float, fill: dict[str, torch.Tensor]):
     """A carry's rebase under lora_aggregation product: the new global plus what the carry trained, as products
-    (global + now - base; the factors are in different bases), back at rank `r`."""
+    (global + now - base; the factors are in different bases), back at rank `r` and turned to the basis of the
+    new global's factors (what a proximal term pulls toward)."""
     s = alpha / r
 
     def rebase(global_state, now, base):
-        out, _ = lora_rank.combine([(_np(global_state), s), (_np(now), s), (_np(base), -s)], r, alpha, _np(fill))
-        return _torch(out)
+        start = _np(global_state)
+        out, _ = lora_rank.combine([(start, s), (_np(now), s), (_np(base), -s)], r, alpha, _np(fill))
+        return _torch(lora_rank.align(out, start))
     return rebase
 
 

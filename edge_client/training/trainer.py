@@ -191,6 +191,8 @@ class TrainJob(PassJob):
                 self._anchor = [p.detach().clone() for p in t.adapter.parameters()]
             if self.rebase is not None:  # e.g. mixed ranks: the factors are in different bases
                 t.adapter.load_peft(self.rebase(self.global_state, now, c.base))
+                if t.cfg.reset_optimizer_each_round:  # the carry's moments were for the factors it had
+                    t.optimizer = t._new_optimizer()
             else:
                 t.adapter.load_peft({k: self.global_state[k].to(v.device, v.dtype) + (v - c.base[k].to(v.device, v.dtype))
                                      for k, v in now.items()})
