@@ -48,10 +48,10 @@ from collm.common.run_proof import PROOF_KEY, proof
 from collm.server.checkpoints import write_round
 from collm.server.config import ServerConfig
 from collm.server.privacy import PrivacyLedger, Release
-from collm.server.replies import (common_metric_keys, edge_name, fmt, read_train_replies, unique_names, with_arrays,
-                                  with_weight)
-from collm.server.robust import Update, screen_updates
-from collm.server.rules import Rule, rules_for
+from collm.server.intake import prepare_updates, screen_round
+from collm.server.replies import common_metric_keys, edge_name, fmt, read_train_replies, unique_names, with_weight
+from collm.server.robust import Update
+from collm.server.rules import rules_for
 
 
 @dataclass
@@ -308,7 +308,7 @@ class CollmRounds:
                 rec.training_skipped = "no TRAIN replies"
                 log(WARNING, "round %d: no TRAIN replies; the global adapter stays as it is", r)
             return None, None
-        updates, candidates = self._prepare(*self._read_updates(replies, rec), rec)
+        updates, candidates = prepare_updates(*self._read_updates(replies, rec), self.rules, self._global, rec)
         kept = self._screen(r, updates, rec)
         if not kept:
             log(WARNING, "round %d: all %d updates were left out; the global adapter stays as it is", r, len(replies))
@@ -341,46 +341,13 @@ class CollmRounds:
         names = self._names_of(replies)
         return read_train_replies(replies, [names[self._node_of(m)] for m in replies], self.server_cfg.robust, rec)
 
-    def _prepare(self, updates: list[Update], candidates: list[Message],
-                 rec: RoundRecord) -> tuple[list[Update], list[Message]]:
-        """Each update in the global's form as the rules want it (mixed ranks written at the server's rank);
-        one a rule cannot take is recorded as dropped, with why."""
-        out_u, out_c = [], []
-        for u, c in zip(updates, candidates, strict=True):
-            v: Update | str = u
-            for rule in self.rules:
-                try:
-                    v = rule.prepare(v, self._global)
-                except Exception as e:  # noqa: BLE001 - an untrusted reply the rule cannot take is left out
-                    v = f"malformed reply ({type(e).__name__}: {str(e)[:300]})"
-                if isinstance(v, str):
-                    rec.dropped[u.name] = v
-                    break
-            else:
-                out_u.append(v)
-                out_c.append(c if v.arrays is u.arrays else with_arrays(c, dict(v.arrays)))
-        return out_u, out_c
-
     def _screen(self, r: int, updates: list[Update], rec: RoundRecord) -> list[int]:
-        """The updates kept (indices): those the robust screen passes and no rule objects to."""
-        norm_k = self.server_cfg.robust.norm_k
-        for rule in self.rules:
-            norm_k = rule.screen_norm_k(norm_k)
-        norm = next((rule.norm for rule in self.rules if type(rule).norm is not Rule.norm), None)
-        screening = screen_updates(updates, self._global, norm_k, list(self._norm_history), norm)
-        passed = [updates[i] for i in screening.kept]
-        for i in list(screening.kept):
-            if why := next((w for rule in self.rules if (w := rule.breaks(updates[i], passed, self._global))), None):
-                screening.dropped[i] = why
-                screening.kept.remove(i)
-        self._norm_history.extend(screening.norms[i] for i in screening.kept)
-        rec.norms = {updates[i].name: float(v) for i, v in screening.norms.items()}
-        for i, why in screening.dropped.items():
-            rec.dropped[updates[i].name] = why
+        """The updates kept (indices), `server/intake.py`; the norms of the kept ones join the screen's history."""
+        kept = screen_round(updates, self.rules, self._global, self.server_cfg.robust.norm_k, self._norm_history, rec)
+        self._norm_history.extend(rec.norms[updates[i].name] for i in kept)
         for name, why in rec.dropped.items():
             log(WARNING, "round %d: update from %s left out: %s", r, name, why)
-        rec.kept = [updates[i].name for i in screening.kept]
-        return screening.kept
+        return kept
 
     def _log_privacy(self, r: int, rec: RoundRecord) -> None:
         info = rec.privacy
