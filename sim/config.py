@@ -54,6 +54,14 @@ class InterferenceConfig(Strict):
     per_machine: int = Field(1, ge=1, description="edges on one machine (consecutive edges share it); 1: none")
     slowdown: float = Field(0.0, ge=0, le=2, description="a serving step or background unit takes this much longer "
                             "(a fraction) for each other edge of its machine that is busy when it starts")
+    background_slowdown: float | None = Field(
+        None, ge=0, le=2, description="a serving step takes this much longer for each other edge of its machine "
+        "running background work (training or evaluation) when it starts, in place of `slowdown` (a backward pass "
+        "streams more memory than a decode step); unset: `slowdown`")
+    federation_slowdown: float = Field(
+        0.0, ge=0, le=2, description="a serving step takes this much longer in modes that run a federation (collm, "
+        "isolated, colocated-naive: the SuperLink, SuperNode and ServerApp processes on the same cores, the training "
+        "state beside the weights) than in serve-only")
 
 
 class RouterSim(Strict):

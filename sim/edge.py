@@ -169,6 +169,8 @@ class SimEdge:
         self.act: tuple | None = None  # (kind, start, end, data)
         self.neighbours: list[SimEdge] = []  # edges on the same machine (the world's interference setting)
         self.slowdown = 0.0  # a step or unit is this much longer per busy neighbour
+        self.background_slowdown = 0.0  # a step is this much longer per neighbour in background work
+        self.step_factor = 1.0  # a step is this much longer in a mode with a federation
         self.epoch = 0
         self._stepped = False
         self._stable_refusal = True
@@ -270,10 +272,20 @@ class SimEdge:
         return self.rng.lognormvariate(-0.5 * s * s, s) if s > 0 else 1.0  # mean 1
 
     def _interference(self) -> float:
-        """How much longer what starts now takes: `slowdown` per other edge of the machine busy now."""
+        """How much longer a background unit that starts now takes: `slowdown` per other edge of the
+        machine busy now."""
         if not self.slowdown:
             return 1.0
         return 1.0 + self.slowdown * sum(1 for n in self.neighbours if n.act is not None)
+
+    def _step_interference(self) -> float:
+        """How much longer a serving step that starts now takes: the mode's factor, and per other edge
+        of the machine `slowdown` if it is serving, `background_slowdown` if it is in background work."""
+        busy = 0.0
+        for n in self.neighbours:
+            if n.act is not None:
+                busy += self.slowdown if n.act[0] in (STEP, RUN) else self.background_slowdown
+        return self.step_factor * (1.0 + busy)
 
     def _start_serving(self, now: float) -> None:
         running = self.core.running
@@ -282,7 +294,7 @@ class SimEdge:
             d = len(running)
             k = min(r.max_tokens - len(r.out_ids) for r in running)
             a0 = sum(len(r.prompt_ids) + len(r.out_ids) for r in running)
-            step_s, slow = self.p.step_s, self._interference()
+            step_s, slow = self.p.step_s, self._step_interference()
             times = [step_s(d, 0, a0 + j * d) * self._noise() * slow for j in range(k)]
             ends = list(accumulate(times, initial=now))[1:]
             self.act = (RUN, now, ends[-1], (ends,))
@@ -290,7 +302,7 @@ class SimEdge:
             return
         segs, prefilling, shape = self.core.plan()
         by_slot = {r.slot: r for r in running}
-        dt = self.p.step_s(shape.decode, shape.prefill, shape.attended) * self._noise() * self._interference()
+        dt = self.p.step_s(shape.decode, shape.prefill, shape.attended) * self._noise() * self._step_interference()
         self.act = (STEP, now, now + dt, (segs, prefilling, by_slot, dt))
         self._schedule(now + dt)
 

@@ -111,11 +111,14 @@ class World:
         self.edges = [SimEdge(i, f"{role.replace('+', '-')}{i}", p, role, make_policy(tc), self,
                               int(edge_seeds[i].generate_state(1)[0]), self.slo, cfg.slo_safety)
                       for i, (p, role) in enumerate(zip(profiles, self.roles))]
-        m, slow = cfg.interference.per_machine, cfg.interference.slowdown
+        inter = cfg.interference
+        m = inter.per_machine
         for e in self.edges:  # consecutive edges share a machine and slow each other down
             first = e.index - e.index % m
             e.neighbours = [x for x in self.edges[first:first + m] if x is not e]
-            e.slowdown = slow
+            e.slowdown = inter.slowdown
+            e.background_slowdown = inter.slowdown if inter.background_slowdown is None else inter.background_slowdown
+            e.step_factor = 1.0 if mode == "serve-only" else 1.0 + inter.federation_slowdown
         self.serving = [e for e in self.edges if e.serves]
         self.trainers = [e for e in self.edges if e.trains]
         self.policy = router_policy(mode, cfg.collm_routing)

@@ -236,3 +236,50 @@ out: {tmp_path / 'out'}
     r = subprocess.run([str(Path(sys.executable).parent / "collm-sim"), "--config", str(conf)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "edges must be even" in r.stderr
+
+
+def test_interference_charges_a_step_by_what_its_neighbour_does_and_the_mode():
+    """A step beside a serving neighbour takes `slowdown` longer, beside a training one
+    `background_slowdown`, and in a mode with a federation `federation_slowdown` on top."""
+    inter = {"per_machine": 2, "slowdown": 0.1, "background_slowdown": 0.5, "federation_slowdown": 0.2}
+    prompt = 10 + cfg().router.prompt_overhead_tokens
+    prefill = 0.010 + 0.001 * prompt
+
+    c = cfg(interference=inter)
+    w = world(c, "serve-only", 2)  # two arrivals at once: the second step starts beside the first
+    w.run([[TraceRequest(0.0, 10, 2), TraceRequest(0.0, 10, 2)]], 0.0, 0.0)
+    ttfts = sorted(s.ttft_s - c.network.rtt_s for s in w.out)
+    assert ttfts == pytest.approx([prefill, prefill * 1.1])
+
+    c = cfg(interference=inter, federation={"round_deadline_s": 100, "round_token_budget": 100_000, "rounds": 1})
+    w = world(c, "isolated", 2)  # the serving replica beside the trainer, which trains from 0.1 s on
+    w.run([[TraceRequest(2.05, 10, 2)]], 0.0, 0.0)
+    (s,) = w.out
+    assert s.ttft_s - c.network.rtt_s == pytest.approx(prefill * 1.2 * 1.5)
+
+    c = cfg(interference={**inter, "per_machine": 1})  # no neighbour: only the federation's share
+    w = world(c, "collm", 1)
+    w.run([[TraceRequest(0.0, 10, 2)]], 0.0, 0.0)  # before the round's QUERY (0.1 s): nothing trains yet
+    (s,) = w.out
+    assert s.ttft_s - c.network.rtt_s == pytest.approx(prefill * 1.2)
+
+
+def test_interference_settings_are_measured_pass_with_pass():
+    """benchmarks/interference.py's settings: serve-only's serving neighbour against its idle one,
+    collm against serve-only, isolated's training neighbour with the federation divided out; a
+    counterbalanced run's second passes are compared with each other, not with the first."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from interference import settings
+
+    def folder(**states):  # decode batch 1 steps of these medians (ms), 20 of each
+        return {"step decode 1": {st: [ms] * 20 for st, ms in states.items()}}
+
+    run = {"serve-only": folder(idle=100, serve=110), "collm": folder(serve=121),
+           "isolated": folder(background=165),
+           "serve-only-pass2": folder(idle=200, serve=220), "collm-pass2": folder(serve=242),
+           "isolated-pass2": folder(background=330)}
+    got = {k: v for k, (v, _) in settings(run).items()}
+    assert got["slowdown"] == pytest.approx(0.1)
+    assert got["federation_slowdown"] == pytest.approx(0.1)  # 121/110 and 242/220; pooled would be ~0.2
+    assert got["background_slowdown"] == pytest.approx(1.65 / 1.1 - 1)
+    assert settings({"collm": folder(serve=1)})["slowdown"][0] is None  # nothing to compare with
