@@ -170,12 +170,18 @@ class BenchConfig(Strict):
                 named = ", ".join(f"collm-{v}" for v in self.variants) or "none"
                 raise ValueError(f"modes: {m!r} is not a mode; use {', '.join(MODES)} or collm-<variant> for a "
                                  f"variant under `variants:` (named: {named})")
-        if self.busy_share > 0 and self.co_schedule != "work_conserving":
-            raise ValueError(f"busy_share ({self.busy_share:g}) is a setting of co_schedule: work_conserving (collm's "
-                             f"co_schedule is {self.co_schedule}, which sets the share itself)")
-        if "isolated" in self.modes and self.replicas % 2:
-            raise ValueError("replicas must be even when 'isolated' is a mode (half serve, half train)")
+        check_modes(self.co_schedule, self.busy_share, self.modes, self.replicas, "replicas")
         return self
+
+
+def check_modes(co_schedule: str, busy_share: float, modes: list[str], replicas: int, field: str) -> None:
+    """What collm-bench and collm-sim configs both check: busy_share belongs to the work-conserving
+    rule (the controller sets the share itself), and isolated serves on half and trains on half."""
+    if busy_share > 0 and co_schedule != "work_conserving":
+        raise ValueError(f"busy_share ({busy_share:g}) is a setting of co_schedule: work_conserving (collm's "
+                         f"co_schedule is {co_schedule}, which sets the share itself)")
+    if "isolated" in modes and replicas % 2:
+        raise ValueError(f"{field} must be even when 'isolated' is a mode (half serve, half train)")
 
 
 def is_collm(mode: str) -> bool:

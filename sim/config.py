@@ -13,7 +13,8 @@ from pydantic import Field, model_validator
 
 from collm.common.config import Strict
 from collm.edge_client.config import FeedbackConfig
-from collm.lab.bench_config import MODES, CapacityConfig, Mode, FederationBudget, LoadConfig, TraceConfig
+from collm.lab.bench_config import (MODES, CapacityConfig, FederationBudget, LoadConfig, Mode, TraceConfig,
+                                    check_modes)
 
 
 class DeviceClass(Strict):
@@ -120,9 +121,5 @@ class SimConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
-        if self.busy_share > 0 and self.co_schedule != "work_conserving":
-            raise ValueError(f"busy_share ({self.busy_share:g}) is a setting of co_schedule: work_conserving (collm's "
-                             f"co_schedule is {self.co_schedule}, which sets the share itself)")
-        if "isolated" in self.modes and self.edges % 2:
-            raise ValueError("edges must be even when 'isolated' is a mode (half serve, half train)")
+        check_modes(self.co_schedule, self.busy_share, self.modes, self.edges, "edges")
         return self

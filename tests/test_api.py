@@ -103,6 +103,8 @@ def test_sixteen_concurrent_clients(edge):
     (json.dumps({"prompt": "x", "temperature": 7}), 400, "temperature", "less than or equal to 2"),
     (json.dumps({"max_tokens": 3}), 400, "prompt", "Field required"),
     (json.dumps({"prompt": "x", "n": 3}), 400, "n", "only n=1"),
+    (json.dumps({"prompt": "x", "logprobs": 2}), 400, "logprobs", "not supported"),
+    (json.dumps({"prompt": "x", "frequency_penalty": 0.5}), 400, "frequency_penalty", "use 0"),
     (json.dumps({"prompt": "x", "model": "gpt-9"}), 404, "model", "does not exist"),
     ('{"prompt": "hi \\ud800", "max_tokens": 2}', 400, "prompt", "lone surrogate"),
     (json.dumps({"prompt": "x", "stop": ["\ud800"]}), 400, "stop", "lone surrogate"),

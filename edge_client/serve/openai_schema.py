@@ -14,6 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from collm.edge_client.model.sampling import SEED_MAX, SEED_MIN
 
 MAX_STOP_CHARS = 256  # OpenAI takes up to 4 stop sequences; none needs to be longer than this
+UNSUPPORTED = {  # OpenAI options this server does not implement: the values it accepts, and the refusal
+    "n": ((1,), "only n=1 is supported"),
+    "logprobs": ((None, False, 0), "logprobs are not supported"),
+    "presence_penalty": ((0.0,), "penalties are not supported; use 0"),
+    "frequency_penalty": ((0.0,), "penalties are not supported; use 0"),
+}
 
 
 def _encodable(text: str, field: str) -> str:
@@ -60,25 +66,12 @@ class _Common(BaseModel):
     def _unicode(cls, v: str | None, info) -> str | None:
         return None if v is None else _encodable(v, info.field_name)
 
-    @field_validator("n")
+    @field_validator(*UNSUPPORTED)
     @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported; use 0")
+    def _supported(cls, v: Any, info) -> Any:
+        allowed, message = UNSUPPORTED[info.field_name]
+        if v not in allowed:
+            raise ValueError(message)
         return v
 
     @field_validator("stop")

@@ -40,11 +40,7 @@ class EvalJob(PassJob):
         r = self.report
         self._loss_sum += p.loss_sum
         self._correct += p.correct
-        r.microbatches += 1
-        r.sequences += k
-        r.tokens += p.tokens
-        r.answer_tokens += p.answer_tokens
-        r.loss = self._loss_sum / max(r.answer_tokens, 1)
+        r.add_microbatch(k, p.tokens, p.answer_tokens, self._loss_sum)
         r.accuracy = self._correct / max(r.answer_tokens, 1)
         return p.tokens
 

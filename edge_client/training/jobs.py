@@ -48,6 +48,15 @@ class JobReport:
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "adapter_state"}
 
+    def add_microbatch(self, sequences: int, tokens: int, answer_tokens: int, loss_sum: float) -> None:
+        """Count one finished micro-batch (training and evaluation alike); `loss_sum`: the job's summed
+        per-token loss so far, this micro-batch's included."""
+        self.microbatches += 1
+        self.sequences += sequences
+        self.tokens += tokens
+        self.answer_tokens += answer_tokens
+        self.loss = loss_sum / max(self.answer_tokens, 1)
+
 
 class BackgroundJob:
     """Work the engine runs when serving leaves room, one unit per `run_unit()` call. The replica core

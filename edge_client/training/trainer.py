@@ -218,11 +218,7 @@ class TrainJob(PassJob):
         r.first_loss = mb_loss if r.first_loss is None else r.first_loss
         r.last_loss = t.last_loss = mb_loss
         self._loss_sum += p.loss_sum
-        r.microbatches += 1
-        r.sequences += k
-        r.tokens += p.tokens
-        r.answer_tokens += p.answer_tokens
-        r.loss = self._loss_sum / max(r.answer_tokens, 1)
+        r.add_microbatch(k, p.tokens, p.answer_tokens, self._loss_sum)
         t.total_tokens += p.tokens
         self._acc_seqs += k
         self._acc_tokens += p.answer_tokens
