@@ -23,6 +23,16 @@ class DeviceClass(Strict):
     profile: str = Field("smollm2-cpu1", description="a shipped profile name or a path to a profile JSON")
     speed: float = Field(1.0, gt=0)
     share: float = Field(1.0, gt=0, description="relative share of the edges (normalised over the mix)")
+    precision: Literal["none", "nf4", "int8"] = Field(
+        "none", description="the base model's precision (model.quantization): a quantized base's steps and "
+        "training take the factors benchmarks/quantized_base.py measured (sim/profile.py PRECISION_COST)")
+    lora_r: int = Field(8, ge=1, le=256, description="the LoRA rank the class trains (lora.r); its update is "
+                        "lora_r x network.update_mb_per_rank")
+    uplink_mbps: float | None = Field(None, gt=0, description="the class's uplink; sending an update then takes "
+                                      "its size / uplink before the round can aggregate; unset: no time")
+
+    def upload_s(self, mb_per_rank: float) -> float:
+        return 0.0 if self.uplink_mbps is None else self.lora_r * mb_per_rank * 8.0 / self.uplink_mbps
 
 
 class QualityCurve(Strict):
@@ -45,6 +55,9 @@ class NetworkConfig(Strict):
     exchange_s: float = Field(2.0, ge=0, description="one Flower message exchange (QUERY, TRAIN, EVALUATE): the "
                               "SuperNodes' polling and the transfer")
     reload_s: float = Field(0.5, ge=0, description="isolated: a serving replica loading the new adapter from disk")
+    update_mb_per_rank: float = Field(1.19, gt=0, description="megabytes one LoRA rank adds to an update (SmolLM2-135M, "
+                                      "7 projections in 30 layers, float32: 4.7 / 9.5 / 19 MB at ranks 4 / 8 / 16, "
+                                      "benchmarks/federation_quality.py)")
 
 
 class InterferenceConfig(Strict):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from collm.common.errors import UserError
@@ -23,6 +23,11 @@ from collm.common.step_cost import step_seconds
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 SCHEMA = "collm-profile/1"
+# What a quantized base (`model.quantization`) costs against a float one: (serving step, background
+# unit) time factors, from the decode and training tokens/s `benchmarks/quantized_base.py` measured on
+# SmolLM2-135M, one CPU thread (2026-12-04, docs/federation.md: 26.5 / 23.6 / 21.2 decode, 98 / 96 / 110
+# training tokens/s for float / nf4 / int8).
+PRECISION_COST = {"none": (1.0, 1.0), "nf4": (26.52 / 23.57, 98.42 / 95.69), "int8": (26.52 / 21.18, 98.42 / 109.56)}
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class EdgeProfile:
     source: str = ""
     decode_fix: tuple[float, ...] = ()       # measured - fitted, decode-only steps, by batch size 0..max
     overhead_per_seq_s: float = 0.0          # loop overhead per running sequence beyond the first
+    upload_s: float = 0.0                    # sending one update to the server (its device class's uplink)
 
     def step_s(self, decode: int, prefill: int, attended: int) -> float:
         """Noise-free seconds of one serving step (the cost model's features); a decode-only step also
@@ -74,7 +80,19 @@ class EdgeProfile:
                            self.noise_sigma, self.max_running, self.step_token_budget, self.max_context,
                            self.max_queue, self.train_tokens, self.train_s * k, self.train_units, self.eval_tokens,
                            self.eval_s * k, self.eval_units, self.eval_batch, self.speed * speed, self.source,
-                           tuple(x * k for x in self.decode_fix), self.overhead_per_seq_s * k)
+                           tuple(x * k for x in self.decode_fix), self.overhead_per_seq_s * k, self.upload_s)
+
+    def for_device(self, precision: str = "none", upload_s: float = 0.0) -> EdgeProfile:
+        """The same device with its base at `precision` (PRECISION_COST: steps and background units
+        slow down by the measured factors) and `upload_s` to send an update."""
+        if precision not in PRECISION_COST:
+            raise UserError(f"precision: expected one of {', '.join(PRECISION_COST)}, got {precision!r}")
+        step, unit = PRECISION_COST[precision]
+        return replace(self, name=self.name if precision == "none" else f"{self.name}-{precision}",
+                       coef=tuple(c * step for c in self.coef), overhead_s=self.overhead_s * step,
+                       decode_fix=tuple(x * step for x in self.decode_fix),
+                       overhead_per_seq_s=self.overhead_per_seq_s * step, train_s=self.train_s * unit,
+                       eval_s=self.eval_s * unit, upload_s=upload_s)
 
 
 def noise_sigma(samples: list[list[float]], coef: list[float]) -> float:

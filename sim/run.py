@@ -137,10 +137,15 @@ def run_fleet(cfg: SimConfig, n_edges: int, seed: int, bar=None, max_requests: i
     return results
 
 
+def device_label(d) -> str:
+    """`smollm2-cpu1 x4 nf4 r16 @20Mbps`: what differs from the profile as measured."""
+    return (d.profile + (f" x{d.speed:g}" if d.speed != 1 else "") + (f" {d.precision}" if d.precision != "none" else "")
+            + (f" r{d.lora_r}" if d.lora_r != 8 else "") + (f" @{d.uplink_mbps:g}Mbps" if d.uplink_mbps else ""))
+
+
 def bench_shaped_config(cfg: SimConfig, n_edges: int) -> dict:
     d = cfg.model_dump(mode="json")
-    d.update(model=" + ".join(f"{x.profile}" + (f" x{x.speed:g}" if x.speed != 1 else "") for x in cfg.devices),
-             replicas=n_edges)
+    d.update(model=" + ".join(device_label(x) for x in cfg.devices), replicas=n_edges)
     return d
 
 

@@ -14,7 +14,9 @@ streams seeded by `seed`, so a run is a pure function of its config. Kinds:
            job, its deadline counted from when its engine starts it) -> aggregate -> EVALUATE
            (each training edge evaluates the new global; collm edges swap when their evaluation
            ends; isolated serving edges load it `reload_s` after the round) -> the next round.
-           Each exchange costs `network.exchange_s`. A round that aggregated nothing waits
+           Each exchange costs `network.exchange_s`, and the aggregation also waits for the slowest
+           participant's upload (its update's size over its device class's `uplink_mbps`; a class's
+           `precision` scales its steps and training). A round that aggregated nothing waits
            `balancer.idle_wait_s` (the server's default) before the next.
 
 Served quality is the config's curve over the tokens aggregated so far (`QualityCurve`).
@@ -82,7 +84,8 @@ def fleet_profiles(cfg: SimConfig, n: int, load) -> list[EdgeProfile]:
     counts = np.floor(want).astype(int)
     for i in np.argsort(-(want - counts), kind="stable")[: n - counts.sum()]:
         counts[i] += 1
-    profiles = [load(d.profile, d.speed) for d in cfg.devices]
+    mb = cfg.network.update_mb_per_rank
+    profiles = [load(d.profile, d.speed).for_device(d.precision, d.upload_s(mb)) for d in cfg.devices]
     order = []
     left = counts.copy()
     while len(order) < n:
@@ -146,6 +149,7 @@ class World:
         self.idle_wait_s = bc.idle_wait_s
         self.round: RoundLog | None = None
         self._pending: set[int] = set()
+        self._uploaded_at = 0.0
 
     # ------------------------------------------------------------------ events
     def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
@@ -342,6 +346,7 @@ class World:
             decisions = self.balance(reports, self.params)
             by_name = {e.name: e for e in self.trainers}
             self._pending = set()
+            self._uploaded_at = now  # the round aggregates once the slowest update has arrived
             for d in decisions:
                 if d.take_part and d.budget_tokens > 0:
                     e = by_name[d.name]
@@ -388,8 +393,9 @@ class World:
         if edge.index in self._pending:
             self._pending.discard(edge.index)
             self.round.tokens += job.tokens
+            self._uploaded_at = max(self._uploaded_at, now + edge.p.upload_s)
             if not self._pending:
-                self.push(now + self.cfg.network.exchange_s, SERVER, 2)
+                self.push(self._uploaded_at + self.cfg.network.exchange_s, SERVER, 2)
 
     def _evaluated(self, edge: SimEdge, job: SimJob, now: float) -> None:
         if self.mode != "isolated" and edge.serves:

@@ -283,3 +283,28 @@ def test_interference_settings_are_measured_pass_with_pass():
     assert got["federation_slowdown"] == pytest.approx(0.1)  # 121/110 and 242/220; pooled would be ~0.2
     assert got["background_slowdown"] == pytest.approx(1.65 / 1.1 - 1)
     assert settings({"collm": folder(serve=1)})["slowdown"][0] is None  # nothing to compare with
+
+
+def test_device_classes_take_their_precision_rank_and_uplink():
+    """A class's precision scales its steps and training by the measured factors, and a round
+    aggregates only once the slowest participant's update (rank x MB per rank over its uplink) is in."""
+    from collm.sim.profile import PRECISION_COST
+
+    p = fixed_profile()
+    q = p.for_device("nf4", upload_s=3.0)
+    step, unit = PRECISION_COST["nf4"]
+    assert q.step_s(2, 0, 0) == pytest.approx(p.step_s(2, 0, 0) * step) and step > 1
+    assert q.train_s == pytest.approx(p.train_s * unit) and q.upload_s == 3.0
+    with pytest.raises(UserError, match="precision"):
+        p.for_device("fp8")
+
+    c = SimConfig.model_validate({"devices": [{"lora_r": 16, "uplink_mbps": 8.0}]})
+    assert c.devices[0].upload_s(c.network.update_mb_per_rank) == pytest.approx(16 * 1.19)  # 19 MB at 1 MB/s
+
+    def first_aggregation(upload_s: float) -> float:
+        c = cfg(federation={"round_deadline_s": 3, "round_token_budget": 2000, "rounds": 1})
+        w = world(c, "collm", 2, profile=fixed_profile(upload_s=upload_s))
+        w.run([[TraceRequest(60.0, 10, 2)]], 0.0, 0.0)
+        return w.rounds[0].aggregated_at
+
+    assert first_aggregation(5.0) == pytest.approx(first_aggregation(0.0) + 5.0)
