@@ -45,72 +45,20 @@ import yaml
 
 from collm.common import metric_names as M
 from collm.common.config import deep_merge
-from collm.common.data import Record, categories, load_records, partition_by_category
+from collm.common.data import categories, load_records, partition_by_category
 from collm.common.errors import UserError, cli_entry
 from collm.common.procs import BIN_DIR
 from collm.common.stats import mean_ci
-from collm.common.traces import TraceRequest
-from collm.lab.bench_analysis import add_quality, combine_passes, max_sustained_rate, search_capacity, window_span
+from collm.lab.bench_analysis import add_quality, combine_passes, max_sustained_rate, search_capacity
 from collm.lab.bench_config import BenchConfig, edge_policy, is_collm, mode_roles, router_policy, variant_of
 from collm.lab.bench_quality import QualityJudge, served_loss_timeline
+from collm.lab.bench_workload import Workload, window_of
 from collm.lab.loadgen import Outcome, Planned, replay, summarize
 from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
                                 prepare_out, replica_cores, wait_http, write_config)
 from collm.router.state import parse_prometheus
 from collm.server.config import round_timeout_for
 from collm.common.rounds import complete_rounds, read_status
-from collm.common.slo import SLO
-
-
-# ----------------------------------------------------------------------------- requests
-class PromptMaker:
-    """Chat prompts from the edges' Dolly domains, about `tokens` long (4 characters per token)."""
-
-    def __init__(self, records: list[Record]):
-        self.records = records
-        self.i = 0
-
-    def __call__(self, tokens: int) -> str:
-        want = max(8, tokens * 4)
-        parts = []
-        while sum(len(p) for p in parts) < want:
-            parts.append(self.records[self.i % len(self.records)].prompt())
-            self.i += 1
-        return "\n\n".join(parts)[:want]
-
-
-class Workload:
-    """The trace's requests from `trace.start_s` on, replayed at a chosen mean rate.
-
-    Every probe and load point replays a prefix of the same request sequence (the longer the point,
-    the longer the prefix), its arrival times stretched to the point's mean rate with the trace's
-    bursts kept: a higher load is the same workload, only faster, so attainment against rate is
-    not blurred by one segment of the trace being burstier than another.
-    """
-
-    def __init__(self, cfg: BenchConfig):
-        self.cfg = cfg
-        self.requests = cfg.trace.load()
-        self.prompts = PromptMaker(load_records()[::7])
-
-    def segment(self, rate: float, seconds: float, min_requests: int) -> list[TraceRequest]:
-        """The first max(min_requests, rate * seconds) requests at mean rate `rate` (the trace repeats
-        if it is shorter)."""
-        return self.cfg.trace.segment(self.requests, rate, seconds, min_requests)
-
-    def plan(self, reqs: list[TraceRequest], model_id: str) -> list[Planned]:
-        cfg = self.cfg
-        slo = SLO.from_ms(cfg.ttft_ms, cfg.tpot_ms)
-        return [Planned(r.arrival_s, {
-            "model": model_id, "messages": [{"role": "user", "content": self.prompts(r.prompt_tokens)}],
-            "max_tokens": r.output_tokens, "temperature": 0.7, "seed": i, "ignore_eos": True,
-            "slo": {"ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}},
-            ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s) for i, r in enumerate(reqs)]
-
-
-def window_of(plan: list[Planned]) -> float:
-    """Seconds the plan's arrivals span, as n / rate: goodput = SLO-meeting requests / this."""
-    return window_span(plan[-1].at_s if plan else 0.0, len(plan))
 
 
 # ----------------------------------------------------------------------------- topology

@@ -9,7 +9,7 @@ streams seeded by `seed`, so a run is a pure function of its config. Kinds:
 * WAKE     an edge's step, decode run or background stretch ends (`collm.sim.edge`);
 * TICK     every `router.interval_s`: the router's staggered polls refresh the scrape of
            at most max_polls_per_s * interval edges, as `router/app.py` paces them;
-* SERVER   the round's phases, as `server/strategy.py` runs them: QUERY (load reports) -> the
+* SERVER   the round's phases (`sim/rounds.py`), as `server/strategy.py` runs them: QUERY -> the
            balancer (`server.balancer.BALANCERS`, the same function) -> TRAIN (each participant's
            job, its deadline counted from when its engine starts it) -> aggregate -> EVALUATE
            (each training edge evaluates the new global; collm edges swap when their evaluation
@@ -28,11 +28,10 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from collm.common.protocol import LoadReport
 from collm.common.slo import SLO, meets_slo
 from collm.common.traces import TraceRequest
 from collm.edge_client.config import TrainingConfig
@@ -41,13 +40,12 @@ from collm.lab.bench_config import edge_policy, is_collm, mode_roles, router_pol
 from collm.router import fleet
 from collm.router.config import HealthConfig
 from collm.router.policy import Assumptions, RequestView, unattainable
-from collm.server.balancer import BALANCERS, balancer_params
-from collm.server.config import BalancerConfig
 from collm.sim.config import SimConfig
-from collm.sim.edge import SimEdge, SimJob, SimRequest
+from collm.sim.edge import SimEdge, SimRequest
 from collm.sim.profile import EdgeProfile
+from collm.sim.rounds import SERVER, FederationRounds
 
-ARRIVE, WAKE, TICK, SERVER = range(4)
+ARRIVE, WAKE, TICK = range(3)  # and rounds.SERVER
 WINDOW_S = 60.0  # the edges' telemetry window (engine.telemetry)
 
 
@@ -63,17 +61,6 @@ class Served:
     tpot_s: float | None
     version: int
     met: bool
-
-
-@dataclass
-class RoundLog:
-    round: int
-    started: float
-    took_part: list[str] = field(default_factory=list)
-    tokens: int = 0
-    aggregated_at: float | None = None
-    swapped_at: float | None = None
-    loss: float | None = None
 
 
 def fleet_profiles(cfg: SimConfig, n: int, load) -> list[EdgeProfile]:
@@ -96,7 +83,7 @@ def fleet_profiles(cfg: SimConfig, n: int, load) -> list[EdgeProfile]:
     return order
 
 
-class World:
+class World(FederationRounds):
     def __init__(self, cfg: SimConfig, mode: str, profiles: list[EdgeProfile], seed: int):
         self.cfg, self.mode = cfg, mode
         n = len(profiles)
@@ -134,22 +121,9 @@ class World:
         self.poll_every = max(1, math.ceil(per_router / (r.max_polls_per_s * r.interval_s)))
         self.stale_after = fleet.stale_after(HealthConfig().stale_after_s, self.poll_every * r.interval_s)
         self.out: list[Served] = []
-        self.rounds: list[RoundLog] = []
-        self.version = 0
-        self.tokens_aggregated = 0.0
-        self.losses = [(0.0, 0, cfg.quality.loss(0.0))]  # (time, version, loss) of every swap
-        self._last_gain: float | None = None
         self._tick_no = 0
         self._history: deque[tuple] = deque()  # (time, busy, train, beside, finished, met) per tick
-        bc = BalancerConfig()
-        f = cfg.federation
-        self.balance = BALANCERS["slo" if is_collm(mode) else "uniform"]
-        self.params = replace(balancer_params(bc), round_deadline_s=f.round_deadline_s,
-                              round_token_budget=f.round_token_budget)  # the sim's own federation budget
-        self.idle_wait_s = bc.idle_wait_s
-        self.round: RoundLog | None = None
-        self._pending: set[int] = set()
-        self._uploaded_at = 0.0
+        self._init_rounds()
 
     # ------------------------------------------------------------------ events
     def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
@@ -209,7 +183,7 @@ class World:
         elif kind == TICK:
             self._tick(t)
         else:
-            self._server(a, t)
+            self.server_phase(a, t)
         return True
 
     # ------------------------------------------------------------------ requests
@@ -330,90 +304,3 @@ class World:
 
     def _train_tokens(self) -> int:
         return sum(e.train_tokens for e in self.edges)
-
-    # ------------------------------------------------------------------ rounds
-    def _server(self, phase: int, now: float) -> None:
-        f = self.cfg.federation
-        if phase == 0:  # QUERY: load reports
-            if len(self.rounds) >= f.rounds:
-                return
-            self.round = RoundLog(len(self.rounds) + 1, now)
-            self.rounds.append(self.round)
-            self.push(now + self.cfg.network.exchange_s, SERVER, 1)
-        elif phase == 1:  # the balancer, then TRAIN
-            w = self.window(now) if self._history else None
-            reports = [self._report(e, w) for e in self.trainers]
-            decisions = self.balance(reports, self.params)
-            by_name = {e.name: e for e in self.trainers}
-            self._pending = set()
-            self._uploaded_at = now  # the round aggregates once the slowest update has arrived
-            for d in decisions:
-                if d.take_part and d.budget_tokens > 0:
-                    e = by_name[d.name]
-                    self.round.took_part.append(d.name)
-                    self._pending.add(e.index)
-                    e.queue_job(SimJob("train", e.p, d.budget_tokens, d.deadline_s, self.cfg.finish_grace,
-                                       on_done=lambda job, hit, e=e: self._trained(e, job, self.now),
-                                       carry_after=self.cfg.carry_between_rounds, carry_rounds=self.carry_rounds),
-                                now)
-            if not self._pending:
-                self.push(now + self.idle_wait_s, SERVER, 0)
-        elif phase == 2:  # aggregate, then EVALUATE on every training edge
-            rl = self.round
-            if rl.tokens <= 0:
-                self.push(now + self.idle_wait_s, SERVER, 0)
-                return
-            before = self.cfg.quality.loss(self.tokens_aggregated)
-            self.tokens_aggregated += rl.tokens
-            rl.loss = self.cfg.quality.loss(self.tokens_aggregated)
-            self._last_gain = (before - rl.loss) / (rl.tokens / 1000.0)
-            self.version += 1
-            rl.aggregated_at = now
-            self._pending = set()
-            n_mb = math.ceil(self.cfg.eval_records / self.trainers[0].p.eval_batch)
-            for e in self.trainers:
-                self._pending.add(e.index)
-                e.queue_job(SimJob("eval", e.p, n_mb * e.p.eval_tokens,
-                                   on_done=lambda job, hit, e=e: self._evaluated(e, job, self.now)), now)
-        elif phase == 3:  # the round is done: isolated's serving half loads the new global
-            rl = self.round
-            rl.swapped_at = now
-            if self.mode == "isolated":
-                self._reload = (self.version, rl.loss)
-                self.push(now + self.cfg.network.reload_s, SERVER, 4)
-            self.push(now, SERVER, 0)
-        elif phase == 4:
-            version, loss = self._reload
-            for e in self.serving:
-                e.set_version(version)
-            self.losses.append((now, version, loss))
-
-    def _trained(self, edge: SimEdge, job: SimJob, now: float) -> None:
-        edge.budget_fill = min(1.0, job.tokens / max(job.budget_tokens, 1))  # its next load report says it
-        if edge.index in self._pending:
-            self._pending.discard(edge.index)
-            self.round.tokens += job.tokens
-            self._uploaded_at = max(self._uploaded_at, now + edge.p.upload_s)
-            if not self._pending:
-                self.push(self._uploaded_at + self.cfg.network.exchange_s, SERVER, 2)
-
-    def _evaluated(self, edge: SimEdge, job: SimJob, now: float) -> None:
-        if self.mode != "isolated" and edge.serves:
-            edge.set_version(self.version)  # collm: the edge serves the new global once its evaluation passed
-            if edge is self.trainers[0]:
-                self.losses.append((now, self.version, self.round.loss))
-        if edge.index in self._pending:
-            self._pending.discard(edge.index)
-            if not self._pending:
-                self.push(now + self.cfg.network.exchange_s, SERVER, 3)
-
-    def _report(self, e: SimEdge, w: dict | None) -> LoadReport:
-        i = e.index
-        if w is None:
-            spare, att, rate = 1.0, None, 0.0
-        else:
-            spare, rate = float(w["spare"][i]), float(w["fin"][i] / w["span"])
-            att = None if math.isnan(w["attainment"][i]) else float(w["attainment"][i])
-        return LoadReport(e.name, rate, att, spare, float(len(e.waiting)), float(len(e.running)),
-                          self.cfg.train_examples, self._last_gain, e.p.idle_train_tokens_per_s,
-                          carried_tokens=e.carried_tokens(), train_share=e.policy.share, budget_fill=e.budget_fill)
