@@ -42,7 +42,6 @@ edge `federation: {insecure: false, root_certificates, auth_private_key}` and ru
 
 from __future__ import annotations
 
-import argparse
 import json
 import secrets
 import signal
@@ -55,14 +54,15 @@ import httpx
 
 from collm.common.config import dump_config, load_config
 from collm.common.data import categories, load_records, partition_by_category
-from collm.common.errors import UserError, cli_entry
+from collm.common.errors import cli_entry
 from collm.common.procs import BIN_DIR, usable_cpus
-from collm.common.rounds import read_status
 from collm.edge_client.config import EdgeConfig
 from collm.lab.certs import make_certs, register_nodes
 from collm.lab.loadgen import BackgroundLoad, Planned
-from collm.lab.monitoring import prometheus_binary, start_monitoring
-from collm.lab.topology import (COORDINATOR_NICE, BASE_CONFIGS, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
+from collm.lab.lab_cli import build_parser, check_args
+from collm.lab.lab_follow import Churn, follow
+from collm.lab.monitoring import start_monitoring
+from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
                                 prepare_out, wait_http, write_config)
 from collm.server.config import ServerConfig, round_timeout_for
 
@@ -125,65 +125,6 @@ def lab_edge_configs(model: str, n: int, superlink: str, out: Path, cache_dir: s
     return configs
 
 
-def _ranks(text: str) -> list[int]:
-    try:
-        ranks = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated ranks, e.g. 4,8,16") from None
-    if any(not 1 <= r <= 256 for r in ranks):
-        raise argparse.ArgumentTypeError(f"{text!r}: each rank must be 1 to 256")
-    return ranks
-
-
-def _precisions(text: str) -> list[str]:
-    out = [x.strip() for x in text.split(",")]
-    if bad := [x for x in out if x not in ("none", "nf4", "int8")]:
-        raise argparse.ArgumentTypeError(f"{text!r}: {bad[0]!r} is not none, nf4 or int8")
-    return out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="collm-lab", description="Run a local CoLLM lab: SuperLink, ServerApp, "
-                                "N edges (and a router), federated rounds under request load.")
-    p.add_argument("--model", choices=sorted(BASE_CONFIGS), default="tiny")
-    p.add_argument("--edges", type=int, default=3, help="edges to start, 1 to 8 (one Dolly category group each)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--server-config", default="configs/server.yaml")
-    p.add_argument("--strategy", choices=["fedavg", "fedprox", "fedadam"])
-    p.add_argument("--round-deadline", type=float, help="seconds of training per round (balancer.round_deadline_s)")
-    p.add_argument("--round-tokens", type=int, help="training tokens per round, all edges (balancer budget)")
-    p.add_argument("--load", type=float, default=1.0, help="requests per second during the rounds (0: none)")
-    p.add_argument("--router", action=argparse.BooleanOptionalAction, default=True,
-                   help="send the load through collm-router (default) or straight to the edges")
-    p.add_argument("--restart-edges", action="store_true", help="start an edge that died again (it catches up "
-                   "to the latest global adapter before it serves)")
-    p.add_argument("--join", action="append", default=[], metavar="EDGE@ROUND",
-                   help="start EDGE late, connected for ROUND (2 or later); repeatable")
-    p.add_argument("--leave", action="append", default=[], metavar="EDGE@ROUND",
-                   help="stop EDGE when ROUND's training starts; repeatable")
-    p.add_argument("--out", default="runs/lab")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier lab run's results in --out")
-    p.add_argument("--cache-dir", help="model cache (default: the edge config's)")
-    p.add_argument("--eval-records", type=int, help="holdout records per evaluation on each edge "
-                   "(training.max_eval_records; default: the edge config's)")
-    p.add_argument("--keys", action="store_true", help="require API keys (generated into OUT/keys) for /v1/* "
-                   "and an admin token for the edges' /admin/* (then on)")
-    p.add_argument("--ranks", type=_ranks, metavar="R,R,...", help="each edge's LoRA rank, e.g. 4,8,16: a mixed-rank "
-                   "fleet, aggregated exactly as products and served at each edge's rank (lora_aggregation product; "
-                   "the server's lora.r is the largest)")
-    p.add_argument("--quantization", type=_precisions, metavar="Q,Q,...", help="each edge's base precision: none, "
-                   "nf4 or int8 (bitsandbytes; LoRA trains on the quantized base, QLoRA), e.g. none,nf4,none")
-    p.add_argument("--prometheus", action="store_true", help="also start the round exporter and a real "
-                   "Prometheus on loopback scraping every process, with the alert rules (needs `prometheus`: "
-                   "apt-get install prometheus); its URL is printed and its data kept in OUT/prometheus")
-    p.add_argument("--linger", type=float, default=0, metavar="SECONDS",
-                   help="keep every process up this long after the last round (to look at Prometheus or the "
-                   "edges); ^C ends it early")
-    p.add_argument("--tls", action="store_true", help="TLS to the SuperLink and SuperNode authentication: "
-                   "certificates and edge keys in OUT/certs, each edge's key registered before it starts")
-    return p
-
-
 def server_config(args, out: Path, edges: list[EdgeConfig], keys: dict[str, Path] | None = None) -> ServerConfig:
     """The ServerApp's config: --server-config with what the lab decides (rounds, edges, paths)."""
     at_start = args.edges - len(getattr(args, "joins", {}))
@@ -203,57 +144,6 @@ def server_config(args, out: Path, edges: list[EdgeConfig], keys: dict[str, Path
     if keys:
         overrides["federation_key"] = {"file": str(keys["federation"])}
     return load_config(ServerConfig, args.server_config, overrides)
-
-
-def check_churn(args) -> tuple[dict[str, int], dict[str, int]]:
-    """--join and --leave as {edge: round} each, or a UserError naming the bad value."""
-    names = [f"edge{i}" for i in range(args.edges)]
-    joins, leaves = {}, {}
-    for flag, specs, first, table in (("--join", args.join, 2, joins), ("--leave", args.leave, 1, leaves)):
-        for spec in specs:
-            name, _, rnd = spec.partition("@")
-            if name not in names:
-                raise UserError(f"{flag} {spec}: no edge named {name!r} (with --edges {args.edges}: {', '.join(names)})")
-            if not rnd.isdigit() or not first <= int(rnd) <= args.rounds:
-                raise UserError(f"{flag} {spec}: give EDGE@ROUND with ROUND from {first} to --rounds {args.rounds}")
-            if name in table:
-                raise UserError(f"{flag}: {name} is named twice")
-            table[name] = int(rnd)
-    for name in set(joins) & set(leaves):
-        if leaves[name] <= joins[name]:
-            raise UserError(f"--leave {name}@{leaves[name]}: it joins at round {joins[name]}; leave later than that")
-    if len(joins) >= args.edges:
-        raise UserError(f"--join: at least one of the {args.edges} edges must be there from the start")
-    if (joins or leaves) and not args.router:
-        raise UserError("--join/--leave need the router (it sends requests only to the edges that are up); "
-                        "drop --no-router")
-    return joins, leaves
-
-
-def check_args(args) -> None:
-    """Every mistake in the arguments, before anything is written or started."""
-    if not 1 <= args.edges <= 8:
-        raise UserError(f"--edges {args.edges}: give 1 to 8 (the Dolly subset has 8 categories, one group per edge)")
-    if args.rounds < 1:
-        raise UserError(f"--rounds {args.rounds}: give at least 1")
-    if args.load < 0:
-        raise UserError(f"--load {args.load:g}: requests per second cannot be negative")
-    if args.eval_records is not None and args.eval_records < 1:
-        raise UserError(f"--eval-records {args.eval_records}: give at least 1")
-    if args.round_deadline is not None and args.round_deadline <= 0:
-        raise UserError(f"--round-deadline {args.round_deadline:g}: give a positive number of seconds")
-    if args.ranks and len(args.ranks) != args.edges:
-        raise UserError(f"--ranks: give one rank per edge ({args.edges}), got {len(args.ranks)}")
-    if args.quantization and len(args.quantization) != args.edges:
-        raise UserError(f"--quantization: give one precision per edge ({args.edges}), got {len(args.quantization)}")
-    if args.linger < 0:
-        raise UserError(f"--linger {args.linger:g}: give 0 or more seconds")
-    if args.prometheus:
-        prometheus_binary()  # no prometheus: one line now, not after the edges have loaded
-    args.joins, args.leaves = check_churn(args)
-    if not Path(args.server_config).is_file():
-        raise UserError(f"--server-config {args.server_config}: file not found")
-    load_config(ServerConfig, args.server_config)  # a bad server config is one line here
 
 
 @cli_entry
@@ -278,43 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     try:
         print(f"[lab] SuperLink on {superlink}; logs in {out / 'logs'}", flush=True)
-        tls = ["--insecure"]
-        if certs:
-            tls = ["--ssl-ca-certfile", str(certs["ca"]), "--ssl-certfile", str(certs["superlink_cert"]),
-                   "--ssl-keyfile", str(certs["superlink_key"]), "--enable-supernode-auth"]
-        group.spawn("superlink", [str(BIN_DIR / "flower-superlink"), *tls, "--host", "127.0.0.1", "--port",
-                                  superlink.split(":")[1], "--disable-runtime-dependency-installation"], nice=COORDINATOR_NICE)
-        scheme = "https" if certs else "http"
-        wait_http(f"{scheme}://{superlink}/health", group, 120, "flower-superlink", ca=certs["ca"] if certs else None)
-        if certs:
-            pubs = [f"{certs[e.name]}.pub" for e in edges]
-            for name, (node_id, _) in register_nodes(superlink, certs["ca"], pubs, wait_s=10).items():
-                print(f"[lab] TLS + SuperNode auth: {name} registered as node {node_id} "
-                      f"(key {certs[name]})", flush=True)
-        joins, leaves = args.joins, args.leaves
-        for e in edges:
-            if e.name not in joins:
-                group.spawn(e.name, [str(BIN_DIR / "collm-edge"), "--config", str(paths[e.name])])
-        urls = {e.name: edge_url(e) for e in edges}
-        for e in edges:
-            late = f"  (joins for round {joins[e.name]})" if e.name in joins else ""
-            print(f"[lab] {e.name}: {urls[e.name]}  categories={e.data.categories}{late}", flush=True)
-        for name, url in urls.items():
-            if name not in joins:
-                wait_http(url + "/health", group, 600 if args.model == "bundled" else 120, f"edge {name}")
-        group.expendable.update(urls)  # from now on an edge that dies is reported, not fatal
-        targets = list(urls.values())
-        if args.router:
-            router_port = free_port()
-            rcfg = {"api": {"host": "127.0.0.1", "port": router_port},
-                    "edges": [{"name": n, "url": u} for n, u in urls.items()]}
-            if keys:
-                rcfg.update(auth={"api_keys": {"file": str(keys["client"])}}, edge_key={"file": str(keys["router"])})
-            (out / "router.yaml").write_text(json.dumps(rcfg))
-            group.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(out / "router.yaml")])
-            targets = [f"http://127.0.0.1:{router_port}"]
-            wait_http(targets[0] + "/health", group, 60, "collm-router")
-            print(f"[lab] router: {targets[0]}", flush=True)
+        start_superlink(group, superlink, certs, edges)
+        joins = args.joins
+        urls = start_edges(group, edges, paths, joins, 600 if args.model == "bundled" else 120)
+        targets = [start_router(group, out, urls, keys)] if args.router else list(urls.values())
         if args.prometheus:
             prom = start_monitoring(group, out, urls, targets[0] if args.router else None, server_cfg.checkpoint_dir)
             print(f"[lab] Prometheus: {prom} (alerts: {prom}/alerts; round exporter: logs/server-metrics.log)",
@@ -330,25 +187,14 @@ def main(argv: list[str] | None = None) -> int:
         server_tls = ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
         server = group.spawn("server", [str(BIN_DIR / "collm-server"), *server_tls, "--superlink", superlink,
                                         "-c", f'config="{out / "server.yaml"}"'], nice=COORDINATOR_NICE)
-        schedule = Churn(joins, leaves, out / "checkpoints")
-        events = _follow(group, server, paths, args.restart_edges, server_cfg.nodes_after_first_round, schedule)
+        schedule = Churn(joins, args.leaves, out / "checkpoints")
+        events = follow(group, server, paths, args.restart_edges, server_cfg.nodes_after_first_round, schedule)
         outcomes = [o for load in loads for o in load.stop()]
         rc = server.returncode
         report = {"server_exit": rc, "wall_s": round(time.time() - t_start, 1), "edge_events": events,
-                  "load": _load_summary(outcomes) if loads else None, "edges": {}}
-        for name, url in urls.items():
-            try:
-                report["edges"][name] = httpx.get(url + "/v1/adapters", headers=auth, timeout=10).json()
-            except (httpx.HTTPError, ValueError) as e:
-                report["edges"][name] = {"error": str(e)}
+                  "load": _load_summary(outcomes) if loads else None, "edges": _adapters(urls, auth)}
         (out / "lab.json").write_text(json.dumps(report, indent=2, default=str))
-        summary = {k: v for k, v in (report["load"] or {}).items() if k != "requests"}  # per request: lab.json
-        print(f"[lab] requests during the rounds: {summary or None}", flush=True)
-        for name, view in report["edges"].items():
-            if "serving_version" in view:
-                print(f"[lab] {name}: serving adapter version {view['serving_version']} "
-                      f"(round {view['round']}, holdout loss {view['eval_loss']})", flush=True)
-        print(f"[lab] done in {report['wall_s']} s; report {out / 'lab.json'}", flush=True)
+        _print_report(report, out)
         if args.linger > 0:
             print(f"[lab] --linger: everything stays up {args.linger:g} s more (^C to stop)", flush=True)
             time.sleep(args.linger)
@@ -356,6 +202,76 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         print("[lab] stopping", flush=True)
         group.stop()
+
+
+def start_superlink(group: ProcessGroup, superlink: str, certs: dict | None, edges: list[EdgeConfig]) -> None:
+    """flower-superlink on loopback (with --tls: its certificate, SuperNode auth, each edge's key registered)."""
+    tls = ["--insecure"]
+    if certs:
+        tls = ["--ssl-ca-certfile", str(certs["ca"]), "--ssl-certfile", str(certs["superlink_cert"]),
+               "--ssl-keyfile", str(certs["superlink_key"]), "--enable-supernode-auth"]
+    group.spawn("superlink", [str(BIN_DIR / "flower-superlink"), *tls, "--host", "127.0.0.1", "--port",
+                              superlink.split(":")[1], "--disable-runtime-dependency-installation"], nice=COORDINATOR_NICE)
+    scheme = "https" if certs else "http"
+    wait_http(f"{scheme}://{superlink}/health", group, 120, "flower-superlink", ca=certs["ca"] if certs else None)
+    if certs:
+        pubs = [f"{certs[e.name]}.pub" for e in edges]
+        for name, (node_id, _) in register_nodes(superlink, certs["ca"], pubs, wait_s=10).items():
+            print(f"[lab] TLS + SuperNode auth: {name} registered as node {node_id} "
+                  f"(key {certs[name]})", flush=True)
+
+
+def start_edges(group: ProcessGroup, edges: list[EdgeConfig], paths: dict[str, Path], joins: dict[str, int],
+                ready_s: float) -> dict[str, str]:
+    """Every edge but the late joiners, each ready within `ready_s`; {name: URL} of all of them."""
+    for e in edges:
+        if e.name not in joins:
+            group.spawn(e.name, [str(BIN_DIR / "collm-edge"), "--config", str(paths[e.name])])
+    urls = {e.name: edge_url(e) for e in edges}
+    for e in edges:
+        late = f"  (joins for round {joins[e.name]})" if e.name in joins else ""
+        print(f"[lab] {e.name}: {urls[e.name]}  categories={e.data.categories}{late}", flush=True)
+    for name, url in urls.items():
+        if name not in joins:
+            wait_http(url + "/health", group, ready_s, f"edge {name}")
+    group.expendable.update(urls)  # from now on an edge that dies is reported, not fatal
+    return urls
+
+
+def start_router(group: ProcessGroup, out: Path, urls: dict[str, str], keys: dict[str, Path] | None) -> str:
+    """collm-router in front of every edge; its URL."""
+    router_port = free_port()
+    rcfg = {"api": {"host": "127.0.0.1", "port": router_port},
+            "edges": [{"name": n, "url": u} for n, u in urls.items()]}
+    if keys:
+        rcfg.update(auth={"api_keys": {"file": str(keys["client"])}}, edge_key={"file": str(keys["router"])})
+    (out / "router.yaml").write_text(json.dumps(rcfg))
+    group.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(out / "router.yaml")])
+    url = f"http://127.0.0.1:{router_port}"
+    wait_http(url + "/health", group, 60, "collm-router")
+    print(f"[lab] router: {url}", flush=True)
+    return url
+
+
+def _adapters(urls: dict[str, str], auth: dict) -> dict[str, dict]:
+    """Each edge's /v1/adapters at the end (what it serves), or the error that kept it from answering."""
+    out = {}
+    for name, url in urls.items():
+        try:
+            out[name] = httpx.get(url + "/v1/adapters", headers=auth, timeout=10).json()
+        except (httpx.HTTPError, ValueError) as e:
+            out[name] = {"error": str(e)}
+    return out
+
+
+def _print_report(report: dict, out: Path) -> None:
+    summary = {k: v for k, v in (report["load"] or {}).items() if k != "requests"}  # per request: lab.json
+    print(f"[lab] requests during the rounds: {summary or None}", flush=True)
+    for name, view in report["edges"].items():
+        if "serving_version" in view:
+            print(f"[lab] {name}: serving adapter version {view['serving_version']} "
+                  f"(round {view['round']}, holdout loss {view['eval_loss']})", flush=True)
+    print(f"[lab] done in {report['wall_s']} s; report {out / 'lab.json'}", flush=True)
 
 
 def _request_maker(model_id: str, max_tokens: int = 24):
@@ -382,75 +298,6 @@ def _load_summary(outcomes) -> dict:
 
 def interrupt_on_signal(signum, frame) -> None:
     raise KeyboardInterrupt
-
-
-class Churn:
-    """When the lab starts and stops edges on purpose (--join, --leave), from the strategy's round status."""
-
-    def __init__(self, joins: dict[str, int], leaves: dict[str, int], checkpoint_dir: Path):
-        self.joins, self.leaves, self.checkpoint_dir = dict(joins), dict(leaves), checkpoint_dir
-
-    def due(self) -> tuple[list[str], list[str]]:
-        """(edges to start now, edges to stop now), each returned once: a joining edge starts once
-        the round before its own has begun training, a leaving one stops once its round has."""
-        begun = int((read_status(self.checkpoint_dir) or {}).get("round", 0))  # the last round that began training
-        start = [n for n, j in self.joins.items() if begun >= j - 1]
-        stop = [n for n, leave in self.leaves.items() if begun >= leave]
-        for n in start:
-            del self.joins[n]
-        for n in stop:
-            del self.leaves[n]
-        return start, stop
-
-    def expected(self, edges) -> set[str]:
-        """The edges that should be running now."""
-        return {n for n in edges if n not in self.joins}
-
-
-def _follow(group: ProcessGroup, server, edge_paths: dict[str, Path], restart: bool, min_edges: int,
-            churn: Churn) -> list[dict]:
-    """Echo the ServerApp's log (rounds, balancer decisions, the loss table) until it exits; meanwhile
-    start and stop edges as --join/--leave ask, report an edge that dies, and restart it if asked.
-    Returns what happened to the edges."""
-    path = group.log_path("server")
-    pos, events, reported, left = 0, [], set(), set()
-    while True:
-        time.sleep(0.5)
-        text = path.read_text(errors="replace") if path.is_file() else ""
-        if len(text) > pos:
-            sys.stdout.write(text[pos:])
-            sys.stdout.flush()
-            pos = len(text)
-        if server.poll() is not None:
-            text = path.read_text(errors="replace")
-            sys.stdout.write(text[pos:])
-            return events
-        group.check_alive(ignore=("server",))
-        joining, leaving = churn.due()
-        for name in joining:
-            group.spawn(name, [str(BIN_DIR / "collm-edge"), "--config", str(edge_paths[name])], expendable=True)
-            events.append({"edge": name, "joined": True, "at": time.time()})
-            print(f"[lab] {name} joins: started; it serves the latest global adapter once it is ready", flush=True)
-        for name in leaving:
-            rc = group.retire(name)
-            left.add(name)
-            events.append({"edge": name, "left": True, "exited": rc, "at": time.time()})
-            print(f"[lab] {name} leaves: stopped (status {rc}); the round goes on without it", flush=True)
-        for name, rc in group.casualties():
-            if name in reported:
-                continue
-            reported.add(name)
-            events.append({"edge": name, "exited": rc, "at": time.time()})
-            print(f"[lab] {name} exited with status {rc}; see {group.log_path(name)}", flush=True)
-            if restart:
-                group.spawn(name, [str(BIN_DIR / "collm-edge"), "--config", str(edge_paths[name])], expendable=True)
-                events.append({"edge": name, "restarted": True, "at": time.time()})
-                reported.discard(name)
-                print(f"[lab] {name} restarted: it serves the latest global adapter once it is ready", flush=True)
-        alive = sum(1 for n in churn.expected(edge_paths) - left if (p := group.get(n)) is not None and p.poll() is None)
-        if alive < min_edges:
-            raise UserError(f"only {alive} of {len(edge_paths)} edges are left, fewer than the {min_edges} each round "
-                            "needs; pass --restart-edges to restart edges that die")
 
 
 if __name__ == "__main__":
