@@ -20,7 +20,7 @@ from collm.common.errors import UserError
 from collm.common.rounds import latest_complete_round, write_status
 from collm.server.checkpoints import check_lora_matches, load_all_metrics, load_latest_good
 from collm.server.config import ServerConfig, load_server_config
-from collm.server.strategy import build_strategy
+from collm.server.strategies import build_strategy
 
 app = ServerApp()
 

@@ -1,4 +1,4 @@
-"""flwr's FedAvg / FedProx / FedAdam with CoLLM's round logic mixed in.
+"""CoLLM's round logic, mixed into flwr's strategies (`server/strategies.py`: FedAvg, FedProx, FedAdam, ...).
 
 `CollmRounds` overrides only what changes; the averaging and FedAdam's server step stay flwr's.
 Each hook reads top to bottom and hands the decisions to pure helpers:
@@ -27,14 +27,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAdam, FedAvg, FedMedian, FedProx, FedTrimmedAvg, Krum, Result
+from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from collm.common import protocol as P
@@ -51,34 +50,8 @@ from collm.server.privacy import PrivacyLedger, Release
 from collm.server.intake import prepare_updates, screen_round
 from collm.server.replies import common_metric_keys, edge_name, fmt, read_train_replies, unique_names, with_weight
 from collm.server.robust import Update
+from collm.server.round_record import RoundRecord
 from collm.server.rules import rules_for
-
-
-@dataclass
-class RoundRecord:
-    """What happened in one round: written to the round's checkpoint as metrics.json (`as_dict`)."""
-
-    round: int
-    strategy: str
-    started_at: str
-    balancer: list[dict] = field(default_factory=list)  # one decision per edge asked, with its load report
-    training_skipped: str | None = None
-    train: dict[str, dict] = field(default_factory=dict)  # edge -> its TRAIN reply's metrics
-    dropped: dict[str, str] = field(default_factory=dict)  # edge -> why its update was left out
-    capped: dict[str, float] = field(default_factory=dict)  # edge -> the weight its over-large claim was cut to
-    norms: dict[str, float] = field(default_factory=dict)  # edge -> its update's norm |local - global| (screened)
-    rank_energy: float | None = None  # lora_aggregation product: share of the aggregate's energy lora.r keeps
-    kept: list[str] = field(default_factory=list)
-    train_aggregate: dict | None = None
-    eval: dict[str, dict] = field(default_factory=dict)
-    eval_aggregate: dict | None = None
-    refused_by: list[str] = field(default_factory=list)  # edges whose canary gate refused the new global
-    privacy: dict | None = None
-    wall_s: float | None = None
-    global_keys: int | None = None
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 class CollmRounds:
@@ -408,71 +381,3 @@ class CollmRounds:
         metrics = super().aggregate_evaluate(r, common_metric_keys(usable, r))
         rec.eval_aggregate = None if metrics is None else dict(metrics)
         return metrics
-
-
-class CollmFedAvg(CollmRounds, FedAvg):
-    """FedAvg over the LoRA adapter, with the CoLLM balancer, robust filtering and checkpoints."""
-
-
-class CollmFedProx(CollmRounds, FedProx):
-    """FedProx ("proximal-mu" in every TRAIN config), with the CoLLM round logic."""
-
-
-class CollmFedAdam(CollmRounds, FedAdam):
-    """FedAdam (server-side Adam over the averaged update), with the CoLLM round logic."""
-
-    def _average(self, r: int, kept: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        if not self._global:
-            # FedAdam's step needs a previous global; in round 1 there is none (edges started from
-            # their seeded adapter), so the round's FedAvg becomes the first global.
-            log(INFO, "round %d: global was empty; using the FedAvg of the updates, the server "
-                "optimizer starts next round", r)
-            return FedAvg.aggregate_train(self, r, kept)
-        return super()._average(r, kept)
-
-    def server_state(self) -> dict[str, dict[str, np.ndarray]]:
-        return {k: v for k, v in (("m_t", self.m_t), ("v_t", self.v_t)) if v}
-
-    def restore_server_state(self, state: dict[str, dict[str, np.ndarray]]) -> None:
-        self.m_t = state.get("m_t") or None
-        self.v_t = state.get("v_t") or None
-
-
-class CollmFedMedian(CollmRounds, FedMedian):
-    """The coordinate-wise median of the kept updates (Flower's FedMedian), with the CoLLM round logic."""
-
-
-class CollmFedTrimmedAvg(CollmRounds, FedTrimmedAvg):
-    """The trimmed mean (`trim_beta` cut from each end, per value; Flower's FedTrimmedAvg)."""
-
-
-class CollmKrum(CollmRounds, Krum):
-    """The update closest to the others (Flower's Krum, `krum_malicious` assumed malicious)."""
-
-
-# strategy name -> (class, its own arguments from the config)
-STRATEGIES: dict[str, tuple[type, Callable[[ServerConfig], dict]]] = {
-    "fedavg": (CollmFedAvg, lambda cfg: {}),
-    "fedprox": (CollmFedProx, lambda cfg: {"proximal_mu": cfg.proximal_mu}),
-    "fedadam": (CollmFedAdam, lambda cfg: cfg.fedadam.model_dump()),
-    "fedmedian": (CollmFedMedian, lambda cfg: {}),
-    "fedtrimmedavg": (CollmFedTrimmedAvg, lambda cfg: {"beta": cfg.trim_beta}),
-    "krum": (CollmKrum, lambda cfg: {"num_malicious_nodes": cfg.krum_malicious}),
-}
-
-
-def build_strategy(cfg: ServerConfig, round_offset: int = 0,
-                   server_state: dict[str, dict[str, np.ndarray]] | None = None) -> CollmRounds:
-    """The strategy named by `cfg.strategy`. flwr samples every connected edge for the round's load
-    reports (`fraction_train` is applied by the balancer) and `fraction_evaluate` of them for evaluation.
-    flwr counts its sample before it waits for `min_available_nodes`, so its minimum for a sample
-    (min_train_nodes, and min_evaluate_nodes while every edge evaluates) is the number waited for."""
-    common = dict(server_cfg=cfg, round_offset=round_offset, fraction_train=1.0,
-                  fraction_evaluate=cfg.fraction_evaluate, min_train_nodes=cfg.min_nodes,
-                  min_evaluate_nodes=cfg.min_nodes if cfg.fraction_evaluate >= 1 else 1,
-                  min_available_nodes=cfg.min_nodes)
-    cls, own = STRATEGIES[cfg.strategy]
-    strategy: CollmRounds = cls(**own(cfg), **common)
-    if server_state:
-        strategy.restore_server_state(server_state)
-    return strategy

@@ -34,7 +34,7 @@ from collm.monitoring import (ALERT_TESTS, ALERTS, COMPOSE_CONFIG, DASHBOARD, pa
 from collm.monitoring.grafana import make_dashboard
 from collm.router import metrics as router_metrics
 from collm.server.exporter import DROP_REASONS, CheckpointCollector, drop_reason, server_families
-from collm.server.strategy import RoundRecord
+from collm.server.round_record import RoundRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -12,7 +12,7 @@ from collm.common import protocol as P
 from collm.common import wire
 from collm.common.run_proof import PROOF_KEY, proof, refusal
 from collm.edge_client.federation.client import FederatedEdge
-from collm.server.strategy import build_strategy
+from collm.server.strategies import build_strategy
 
 KEY = "federation-secret"
 

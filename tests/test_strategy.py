@@ -27,7 +27,7 @@ from collm.server.app import run, summary_table
 from collm.common.rounds import latest_complete_round
 from collm.server.checkpoints import load_all_metrics, load_round
 from collm.server.config import ServerConfig
-from collm.server.strategy import CollmFedAdam, CollmFedProx, build_strategy
+from collm.server.strategies import CollmFedAdam, CollmFedProx, build_strategy
 from collm.common.lora_rank import fit_rank
 from collm.common.protocol import LoadReport
 
@@ -736,7 +736,7 @@ def test_a_robust_aggregation_keeps_a_poisoned_update_from_moving_the_global(tmp
     for k in KEYS:
         moved = result.arrays[k].numpy() - init[k]
         assert np.all(moved >= honest[0] - 1e-6) and np.all(moved <= honest[1] + 1e-6), (strategy, k)
-    from collm.server.strategy import STRATEGIES
+    from collm.server.strategies import STRATEGIES
 
     assert load_round(cfg.checkpoint_dir, 1).metrics["strategy"] == STRATEGIES[strategy][0].__name__
 
