@@ -6,7 +6,8 @@
 The rule is in `router/policy.py` (its docstring has the formula) and runs as `router/fleet.py`'s
 columnar form over the `FleetTable` the polls (`router/poller.py`) fill in; what the router knows about
 each edge (health, last /metrics scrape, its own in-flight counts) is in `router/state.py`; request
-parsing and the SSE first-token watch in `router/requests.py`, the Prometheus collectors in `router/metrics.py`.
+parsing and the SSE first-token watch in `router/requests.py`, the Prometheus collectors in `router/metrics.py`,
+one try on one edge and the relay of its answer in `router/proxy.py`.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (bodies go to the edge unchanged, streams
 are relayed as they arrive), GET /v1/models (from one healthy edge), GET /health (503 when no edge
@@ -33,7 +34,6 @@ benchmark) can check the estimate against the TTFT it got, with or without admis
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from dataclasses import replace
 import json
@@ -41,35 +41,30 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from collm.common.auth import KeyRing, Keys, bearer, install, matches
 from collm.common.errors import UserError
 from collm.common.http_guard import BodyLimit
-from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
+from collm.common.protocol import error_body
 
 from collm.router.config import RouterConfig
 from collm.router.metrics import RouterMetrics
-from collm.router.poller import EdgePoller, describe
-from collm.router.requests import SSEWatch, request_view
+from collm.router.poller import EdgePoller
+from collm.router.proxy import SOONEST_HEADER, EdgeProxy, AttemptFailed
+from collm.router.requests import request_view
 from collm.router.fleet import FleetTable, choose, stale_after
 from collm.router.policy import Assumptions, Decision, Estimate, RequestView, unattainable
 from collm.router.state import EdgeState
 
 log = logging.getLogger("collm.router")
 
-ATTEMPTS_HEADER = "X-CoLLM-Router-Attempts"
-SOONEST_HEADER = "X-CoLLM-Soonest-TTFT"  # seconds: the slo rule's TTFT estimate on the soonest edge
 BEST_EFFORT_HEADER = "X-CoLLM-Best-Effort"  # "1"/"true": route even when no edge can meet the TTFT target
-PASSED_HEADERS = ("content-type", VERSION_HEADER.lower(), EDGE_HEADER.lower(), "retry-after", "cache-control")
 FORWARDED_HEADERS = ("content-type", "accept")  # never the client's key: the router sends its own (edge_key)
 
 
@@ -88,19 +83,7 @@ def edge_verify(ca_file: str | None):
 
 
 # ============================================================================ the router
-class _Failed(Exception):
-    """An attempt that failed before the client got a byte (may be retried)."""
-
-    def __init__(self, reason: str, why: str, response: Response | None = None):
-        super().__init__(why)
-        self.reason, self.why, self.response = reason, why, response
-
-
-class _ClientGone(Exception):
-    pass
-
-
-class Router:
+class Router(EdgeProxy):
     def __init__(self, cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None):
         self.cfg = cfg
         self.edges = [EdgeState(e) for e in cfg.edges]
@@ -202,7 +185,7 @@ class Router:
             x = replace(x, best_effort=True)
         headers = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
         tried: list[str] = []
-        failed: list[_Failed] = []
+        failed: list[AttemptFailed] = []
         for attempt in (1, 2):
             picked = self.pick(x, exclude=tried)
             if picked is None and attempt == 2 and failed[-1].reason == "read":
@@ -221,7 +204,7 @@ class Router:
             try:
                 return await self._attempt(edge, est, method, path, raw, headers, stream, attempt, request,
                                            decision.soonest)
-            except _Failed as f:
+            except AttemptFailed as f:
                 failed.append(f)
         last_answer = next((f.response for f in reversed(failed) if f.response is not None), None)
         if last_answer is not None:  # an edge answered (5xx or 429) and no retry could do better
@@ -253,160 +236,6 @@ class Router:
                f"{BEST_EFFORT_HEADER}: 1 to be served late")
         return JSONResponse(error_body(msg, "rate_limit_error", code="slo_unattainable"), status_code=429,
                             headers={"Retry-After": str(retry), SOONEST_HEADER: f"{soon.ttft_s:.6g}"})
-
-    async def _attempt(self, edge: EdgeState, est: Estimate, method: str, path: str, raw: bytes, headers: dict,
-                       stream: bool, attempt: int, request: Request, soonest: Estimate | None = None) -> Response:
-        """One try on one edge; raises _Failed when the client has had nothing yet and a retry may help."""
-        self.metrics.routed.labels(edge.name).inc()
-        edge.outstanding += 1
-        edge.last_sent = time.monotonic()
-        closed = False
-        up: httpx.Response | None = None
-
-        async def close() -> None:  # idempotent: the relay and the response's background both call it
-            nonlocal closed
-            if closed:
-                return
-            closed = True
-            edge.outstanding -= 1
-            if up is not None:
-                with anyio.CancelScope(shield=True):
-                    await up.aclose()
-
-        handed_off = False
-        t0 = time.perf_counter()
-        try:
-            try:
-                up = await self.client.send(self.client.build_request(method, edge.url + path, content=raw,
-                                                                      headers=headers), stream=True)
-            except httpx.HTTPError as e:
-                self._transport_failure(edge, e)
-                raise _Failed("connect" if isinstance(e, httpx.ConnectError) else "read", describe(e)) from None
-            edge.last_progress = time.monotonic()
-            out_headers = self._headers(up, edge, attempt, soonest)
-            status = up.status_code
-            if status in (429, 503):  # overloaded or not ready: leave it alone for a while either way
-                edge.cool_down(self.cfg.health.cooldown_s, f"answered {status}")
-            if status >= 500 or (status == 429 and self.cfg.routing.retry_429):
-                content = await self._read_quietly(up)
-                self.metrics.failures.labels(edge.name, f"http_{status}").inc()
-                self.metrics.responses.labels(edge.name, f"{status // 100}xx").inc()
-                raise _Failed(str(status), f"answered {status}", Response(content, status, out_headers))
-            if status >= 400:
-                content = await up.aread()
-                self.metrics.responses.labels(edge.name, "4xx").inc()
-                return Response(content, status, out_headers)
-            if stream and up.headers.get("content-type", "").startswith("text/event-stream"):
-                chunks = up.aiter_raw()
-                try:  # hold the response until the first chunk: a failure before it is retried
-                    first = await chunks.__anext__()
-                except (httpx.HTTPError, StopAsyncIteration) as e:
-                    self._transport_failure(edge, e)
-                    raise _Failed("read", describe(e)) from None
-                handed_off = True
-                return StreamingResponse(self._relay(edge, est, chunks, first, t0, close), status_code=status,
-                                         headers=out_headers, media_type="text/event-stream",
-                                         background=BackgroundTask(close))
-            try:
-                content = await self._read_unless_gone(up, request)
-            except _ClientGone:  # nobody to answer; closing the connection cancels the edge's work
-                self.metrics.responses.labels(edge.name, "client_gone").inc()
-                return Response(b"", 499)
-            except httpx.HTTPError as e:
-                self._transport_failure(edge, e)
-                raise _Failed("read", describe(e)) from None
-            self._observe_json(edge, est, content)
-            self.metrics.responses.labels(edge.name, "2xx").inc()
-            return Response(content, status, out_headers)
-        finally:
-            if not handed_off:
-                await close()
-
-    def _transport_failure(self, edge: EdgeState, e: BaseException) -> None:
-        if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
-            edge.connect_failed(describe(e))
-            kind = "connect"
-        else:
-            kind = "read"
-        self.metrics.failures.labels(edge.name, kind).inc()
-        log.warning("edge %s failed before the first byte: %s", edge.name, describe(e))
-
-    @staticmethod
-    async def _read_quietly(up: httpx.Response) -> bytes:
-        try:
-            return await up.aread()
-        except httpx.HTTPError:
-            return b""
-
-    @staticmethod
-    async def _read_unless_gone(up: httpx.Response, request: Request) -> bytes:
-        """The whole body; gives up (cancelling the edge's work) if the client disconnects meanwhile."""
-        task = asyncio.ensure_future(up.aread())
-        try:
-            while True:
-                finished, _ = await asyncio.wait({task}, timeout=0.5)
-                if finished:
-                    return task.result()
-                if await request.is_disconnected():
-                    raise _ClientGone
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-
-    def _headers(self, up: httpx.Response, edge: EdgeState, attempt: int, soonest: Estimate | None) -> dict:
-        out = {k: up.headers[k] for k in PASSED_HEADERS if k in up.headers}
-        out.setdefault("x-collm-edge", edge.name)
-        out[ATTEMPTS_HEADER] = str(attempt)
-        if soonest is not None and math.isfinite(soonest.ttft_s):
-            out[SOONEST_HEADER] = f"{soonest.ttft_s:.6g}"  # significant digits: a fast edge estimates well under 1 ms
-        return out
-
-    def _observe_json(self, edge: EdgeState, est: Estimate, content: bytes) -> None:
-        try:
-            body = json.loads(content)
-            ttft = body.get("collm", {}).get("ttft_s")
-            tokens = body.get("usage", {}).get("completion_tokens")
-        except (ValueError, AttributeError):
-            return
-        if isinstance(ttft, (int, float)):
-            self.metrics.ttft_est.labels(edge.name).observe(est.ttft_s)
-            self.metrics.ttft_obs.labels(edge.name).observe(ttft)
-        self._learn_output(tokens if isinstance(tokens, int) else None)
-
-    async def _relay(self, edge: EdgeState, est: Estimate, chunks: AsyncIterator[bytes], first: bytes, t0: float,
-                     close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
-        """Pass the edge's stream through as it arrives; a break becomes an SSE error event."""
-        watch = SSEWatch(t0)
-        outcome = "stream_cancelled"
-        try:
-            watch.feed(first)
-            yield first
-            try:
-                async for chunk in chunks:
-                    edge.last_progress = time.monotonic()
-                    watch.feed(chunk)
-                    yield chunk
-                outcome = "2xx"
-            except httpx.HTTPError as e:
-                outcome = "stream_error"
-                self.metrics.failures.labels(edge.name, "mid_stream").inc()
-                edge.check_failed(self.cfg.health, f"stream broke: {describe(e)}")
-                log.warning("edge %s broke a stream after it started (%s): ending it with an error event",
-                            edge.name, describe(e))
-                err = error_body(f"edge {edge.name} failed mid-stream ({describe(e)}); the response is incomplete",
-                                 "server_error", code="edge_stream_failed")
-                yield (b"" if watch.at_boundary else b"\n\n") + b"data: " + json.dumps(err).encode() + \
-                    b"\n\ndata: [DONE]\n\n"
-        finally:
-            self.metrics.responses.labels(edge.name, outcome).inc()
-            if outcome == "2xx":
-                if watch.first_token_s is not None:
-                    self.metrics.ttft_est.labels(edge.name).observe(est.ttft_s)
-                    self.metrics.ttft_obs.labels(edge.name).observe(watch.first_token_s)
-                self._learn_output(watch.completion_tokens)
-            await close()
 
     # ---------------------------------------------------------------- views
     def health_body(self) -> dict:

@@ -1,0 +1,208 @@
+"""One try of a request on one edge, and the relay of its answer (a mixin of `app.Router`).
+
+`_attempt` sends the request and holds the response until the edge's first byte (for a stream, its
+first chunk), so that a failure before it raises `AttemptFailed` and the router may retry on another edge;
+after that the answer is the client's: a JSON body is read whole (given up if the client leaves,
+which cancels the edge's work), a stream is relayed chunk by chunk and a break in it becomes an SSE
+error event. Every response gets the edge's version and name headers, the attempt number and the
+rule's soonest-TTFT estimate; what the edge reports back (its TTFT, the output length) feeds the
+router's estimate metrics and its typical output length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import anyio
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from collm.common.protocol import EDGE_HEADER, VERSION_HEADER, error_body
+from collm.router.poller import describe
+from collm.router.policy import Estimate
+from collm.router.requests import SSEWatch
+from collm.router.state import EdgeState
+
+log = logging.getLogger("collm.router")
+
+ATTEMPTS_HEADER = "X-CoLLM-Router-Attempts"
+SOONEST_HEADER = "X-CoLLM-Soonest-TTFT"  # seconds: the slo rule's TTFT estimate on the soonest edge
+PASSED_HEADERS = ("content-type", VERSION_HEADER.lower(), EDGE_HEADER.lower(), "retry-after", "cache-control")
+
+
+class AttemptFailed(Exception):
+    """An attempt that failed before the client got a byte (may be retried)."""
+
+    def __init__(self, reason: str, why: str, response: Response | None = None):
+        super().__init__(why)
+        self.reason, self.why, self.response = reason, why, response
+
+
+class ClientGone(Exception):
+    pass
+
+
+class EdgeProxy:
+    """Needs `cfg`, `client` (httpx), `metrics` (RouterMetrics) and `_learn_output` from the router."""
+
+    async def _attempt(self, edge: EdgeState, est: Estimate, method: str, path: str, raw: bytes, headers: dict,
+                       stream: bool, attempt: int, request: Request, soonest: Estimate | None = None) -> Response:
+        """One try on one edge; raises AttemptFailed when the client has had nothing yet and a retry may help."""
+        self.metrics.routed.labels(edge.name).inc()
+        edge.outstanding += 1
+        edge.last_sent = time.monotonic()
+        closed = False
+        up: httpx.Response | None = None
+
+        async def close() -> None:  # idempotent: the relay and the response's background both call it
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            edge.outstanding -= 1
+            if up is not None:
+                with anyio.CancelScope(shield=True):
+                    await up.aclose()
+
+        handed_off = False
+        t0 = time.perf_counter()
+        try:
+            try:
+                up = await self.client.send(self.client.build_request(method, edge.url + path, content=raw,
+                                                                      headers=headers), stream=True)
+            except httpx.HTTPError as e:
+                self._transport_failure(edge, e)
+                raise AttemptFailed("connect" if isinstance(e, httpx.ConnectError) else "read", describe(e)) from None
+            edge.last_progress = time.monotonic()
+            out_headers = self._headers(up, edge, attempt, soonest)
+            status = up.status_code
+            if status in (429, 503):  # overloaded or not ready: leave it alone for a while either way
+                edge.cool_down(self.cfg.health.cooldown_s, f"answered {status}")
+            if status >= 500 or (status == 429 and self.cfg.routing.retry_429):
+                content = await self._read_quietly(up)
+                self.metrics.failures.labels(edge.name, f"http_{status}").inc()
+                self.metrics.responses.labels(edge.name, f"{status // 100}xx").inc()
+                raise AttemptFailed(str(status), f"answered {status}", Response(content, status, out_headers))
+            if status >= 400:
+                content = await up.aread()
+                self.metrics.responses.labels(edge.name, "4xx").inc()
+                return Response(content, status, out_headers)
+            if stream and up.headers.get("content-type", "").startswith("text/event-stream"):
+                chunks = up.aiter_raw()
+                try:  # hold the response until the first chunk: a failure before it is retried
+                    first = await chunks.__anext__()
+                except (httpx.HTTPError, StopAsyncIteration) as e:
+                    self._transport_failure(edge, e)
+                    raise AttemptFailed("read", describe(e)) from None
+                handed_off = True
+                return StreamingResponse(self._relay(edge, est, chunks, first, t0, close), status_code=status,
+                                         headers=out_headers, media_type="text/event-stream",
+                                         background=BackgroundTask(close))
+            try:
+                content = await self._read_unless_gone(up, request)
+            except ClientGone:  # nobody to answer; closing the connection cancels the edge's work
+                self.metrics.responses.labels(edge.name, "client_gone").inc()
+                return Response(b"", 499)
+            except httpx.HTTPError as e:
+                self._transport_failure(edge, e)
+                raise AttemptFailed("read", describe(e)) from None
+            self._observe_json(edge, est, content)
+            self.metrics.responses.labels(edge.name, "2xx").inc()
+            return Response(content, status, out_headers)
+        finally:
+            if not handed_off:
+                await close()
+
+    def _transport_failure(self, edge: EdgeState, e: BaseException) -> None:
+        if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+            edge.connect_failed(describe(e))
+            kind = "connect"
+        else:
+            kind = "read"
+        self.metrics.failures.labels(edge.name, kind).inc()
+        log.warning("edge %s failed before the first byte: %s", edge.name, describe(e))
+
+    @staticmethod
+    async def _read_quietly(up: httpx.Response) -> bytes:
+        try:
+            return await up.aread()
+        except httpx.HTTPError:
+            return b""
+
+    @staticmethod
+    async def _read_unless_gone(up: httpx.Response, request: Request) -> bytes:
+        """The whole body; gives up (cancelling the edge's work) if the client disconnects meanwhile."""
+        task = asyncio.ensure_future(up.aread())
+        try:
+            while True:
+                finished, _ = await asyncio.wait({task}, timeout=0.5)
+                if finished:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise ClientGone
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    def _headers(self, up: httpx.Response, edge: EdgeState, attempt: int, soonest: Estimate | None) -> dict:
+        out = {k: up.headers[k] for k in PASSED_HEADERS if k in up.headers}
+        out.setdefault("x-collm-edge", edge.name)
+        out[ATTEMPTS_HEADER] = str(attempt)
+        if soonest is not None and math.isfinite(soonest.ttft_s):
+            out[SOONEST_HEADER] = f"{soonest.ttft_s:.6g}"  # significant digits: a fast edge estimates well under 1 ms
+        return out
+
+    def _observe_json(self, edge: EdgeState, est: Estimate, content: bytes) -> None:
+        try:
+            body = json.loads(content)
+            ttft = body.get("collm", {}).get("ttft_s")
+            tokens = body.get("usage", {}).get("completion_tokens")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(ttft, (int, float)):
+            self.metrics.ttft_est.labels(edge.name).observe(est.ttft_s)
+            self.metrics.ttft_obs.labels(edge.name).observe(ttft)
+        self._learn_output(tokens if isinstance(tokens, int) else None)
+
+    async def _relay(self, edge: EdgeState, est: Estimate, chunks: AsyncIterator[bytes], first: bytes, t0: float,
+                     close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+        """Pass the edge's stream through as it arrives; a break becomes an SSE error event."""
+        watch = SSEWatch(t0)
+        outcome = "stream_cancelled"
+        try:
+            watch.feed(first)
+            yield first
+            try:
+                async for chunk in chunks:
+                    edge.last_progress = time.monotonic()
+                    watch.feed(chunk)
+                    yield chunk
+                outcome = "2xx"
+            except httpx.HTTPError as e:
+                outcome = "stream_error"
+                self.metrics.failures.labels(edge.name, "mid_stream").inc()
+                edge.check_failed(self.cfg.health, f"stream broke: {describe(e)}")
+                log.warning("edge %s broke a stream after it started (%s): ending it with an error event",
+                            edge.name, describe(e))
+                err = error_body(f"edge {edge.name} failed mid-stream ({describe(e)}); the response is incomplete",
+                                 "server_error", code="edge_stream_failed")
+                yield (b"" if watch.at_boundary else b"\n\n") + b"data: " + json.dumps(err).encode() + \
+                    b"\n\ndata: [DONE]\n\n"
+        finally:
+            self.metrics.responses.labels(edge.name, outcome).inc()
+            if outcome == "2xx":
+                if watch.first_token_s is not None:
+                    self.metrics.ttft_est.labels(edge.name).observe(est.ttft_s)
+                    self.metrics.ttft_obs.labels(edge.name).observe(watch.first_token_s)
+                self._learn_output(watch.completion_tokens)
+            await close()
