@@ -1,7 +1,8 @@
 """The edge replica engine: one frozen base model, serving and training on it in one step loop.
 
 The loop (`Engine._loop`) is the algorithm, in order; every decision in it is the replica core's
-(`engine.replica.ReplicaCore`, the object the simulator drives too):
+(`engine.replica.ReplicaCore`, the object the simulator drives too). The serving step and a
+request's end are in `engine.serving`, the background units in `engine.background`:
 
 1. take new requests, cancellations and jobs from other threads; shed (`engine.shed_late`) a waiting
    request whose wait plus the prefill ahead of it and its own is past its TTFT target;
@@ -31,30 +32,28 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import torch
-
 from collm.common.data import format_example
 from collm.common.slo import SLO
-from collm.common.step_cost import step_features
 from collm.edge_client.config import EdgeConfig
+from collm.edge_client.engine.background import BackgroundRunner
 from collm.edge_client.engine.co_schedule import make_policy
 from collm.edge_client.engine.cost_model import CostModels
-from collm.edge_client.engine.planner import StepShape
 from collm.edge_client.engine.replica import ReplicaCore
+from collm.edge_client.engine.serving import StepRunner
 from collm.edge_client.engine.requests import (AdmittedEvent, EngineError, EngineFailed, FinishEvent, PromptTooLong,
                                                QueueFull, Request, ShuttingDown, TokenEvent)
-from collm.edge_client.engine.telemetry import EdgeSnapshot, RequestRecord, Telemetry
+from collm.edge_client.engine.telemetry import EdgeSnapshot, Telemetry
 from collm.edge_client.engine.timeline import open_timeline
 from collm.edge_client.model.loading import LoadedModel
 from collm.edge_client.model.lora import TrainableAdapter, inject_lora
-from collm.edge_client.model.runner import KVPool, ModelRunner, Segment
-from collm.edge_client.model.sampling import SamplingParams, TextStream, make_generator, sample_next
+from collm.edge_client.model.runner import KVPool, ModelRunner
+from collm.edge_client.model.sampling import SamplingParams
 from collm.edge_client.model.shadow import ShadowAdapter
 from collm.edge_client.training.data import EdgeData
 from collm.edge_client.training.evaluation import EvalJob
 from collm.edge_client.training.jobs import BackgroundJob, TrainBudget
 from collm.edge_client.training.layerwise import ModelParts
-from collm.edge_client.training.trainer import LocalTrainer, TrainJob
+from collm.edge_client.training.trainer import LocalTrainer
 
 __all__ = ["AdmittedEvent", "Engine", "EngineError", "EngineFailed", "FinishEvent", "PromptTooLong", "QueueFull",
            "Request", "ShuttingDown", "TokenEvent", "plan_kv"]
@@ -75,7 +74,15 @@ def plan_kv(cfg: EdgeConfig, runner: ModelRunner, model_max: int) -> tuple[int, 
     return cfg.engine.max_running, slot_len
 
 
-class Engine:
+def eos_ids(lm: LoadedModel) -> set[int]:
+    """The tokenizer's end of sequence and the model's generation config's (one id or a list)."""
+    eos = {lm.tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None)
+    eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return {e for e in eos if e is not None}
+
+
+class Engine(StepRunner, BackgroundRunner):
     def __init__(self, lm: LoadedModel, cfg: EdgeConfig, data: EdgeData | None = None,
                  costs: CostModels | None = None, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter, decision_log: list | None = None):
@@ -109,19 +116,8 @@ class Engine:
         self.trainer: LocalTrainer | None = None
         self.holdout: list = []
         if data is not None:
-            tok, L = self.tokenizer, cfg.training.max_seq_len
-            train = [format_example(tok, r, L) for r in data.train]
-            self.holdout = [format_example(tok, r, L) for r in data.holdout]
-            if cfg.training.max_eval_records:
-                self.holdout = self.holdout[: cfg.training.max_eval_records]
-            self.trainer = LocalTrainer(self.parts, self.layers, adapter, cfg.training, train, tok.pad_token_id,
-                                        cfg.lora.dropout, seed)
-            if cfg.adapters.local_every:
-                self.trainer.on_step = self._publish_local
-        eos = {self.tokenizer.eos_token_id}
-        gen_eos = getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None)
-        eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-        self.eos_ids = {e for e in eos if e is not None}
+            self._set_up_training(data, adapter, seed)
+        self.eos_ids = eos_ids(lm)
 
         self._lock = threading.Condition()
         self._incoming: deque[Request] = deque()  # submitted, not yet in the core's queue (other threads)
@@ -132,6 +128,19 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.failure: str | None = None  # set if the loop dies; /health then answers 503
         self.on_failure: list[Callable[[str], None]] = []  # called once, from the dying loop thread
+
+    def _set_up_training(self, data: EdgeData, adapter: TrainableAdapter, seed: int) -> None:
+        """The edge's training and holdout examples, and the trainer on the serving model's own layers."""
+        cfg, tok = self.cfg, self.tokenizer
+        L = cfg.training.max_seq_len
+        train = [format_example(tok, r, L) for r in data.train]
+        self.holdout = [format_example(tok, r, L) for r in data.holdout]
+        if cfg.training.max_eval_records:
+            self.holdout = self.holdout[: cfg.training.max_eval_records]
+        self.trainer = LocalTrainer(self.parts, self.layers, adapter, cfg.training, train, tok.pad_token_id,
+                                    cfg.lora.dropout, seed)
+        if cfg.adapters.local_every:
+            self.trainer.on_step = self._publish_local
 
     # ================================================================= public API (any thread)
     def start(self) -> Engine:
@@ -363,97 +372,6 @@ class Engine:
         if self.timeline is not None:
             self.timeline.flush()
 
-    def _set_up(self, r: Request) -> None:
-        """An admitted request gets its adapter version (unless it asked for one), its detokenizer and
-        its sampler, and hears that it was admitted."""
-        try:
-            if r.adapter is None:
-                r.adapter = self.shadow.pin()
-            r.stream = TextStream(self.tokenizer, r.params.stop)
-            r.generator = make_generator(r.params, self.device)
-        except Exception:  # noqa: BLE001 - one request's set-up must not stop the engine
-            log.exception("request %s: could not be admitted", r.id)
-            self._finish(r, "error")
-            return
-        self._emit(r, AdmittedEvent(r.adapter.version))
-
-    def _serve_step(self, segments: list[Segment], prefilling: set[int], shape: StepShape) -> None:
-        by_slot = {r.slot: r for r in self.core.running}
-        t0 = self.clock()
-        wanting = [by_slot[s.slot] for s in segments if s.want_logits]
-        try:
-            logits = self.runner.forward(segments, self.pool)
-            tokens = sample_next(logits, [r.params for r in wanting], [r.generator for r in wanting])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001 - fail this step's requests, keep serving the others
-            log.exception("engine step failed; failing its %d request(s)", len(segments))
-            for s in segments:
-                self._finish(by_slot[s.slot], "error")
-            return
-        now = self.clock()
-        if self.timeline is not None:
-            self.timeline.record("step", t=time.time() - (now - t0), s=now - t0, dec=shape.decode,
-                                 pf=shape.prefill, att=shape.attended, run=len(self.core.running),
-                                 wait=len(self.core.waiting))
-        self.costs.step.observe(step_features(shape.decode, shape.prefill, shape.attended), now - t0)
-        self.telemetry.record_step(now - t0, len(segments))
-        self.core.stepped(now, now - t0)
-        for s in segments:
-            if s.slot in prefilling:
-                by_slot[s.slot].prefilled += len(s.tokens)
-        for r, tok in zip(wanting, tokens):
-            try:
-                self._on_token(r, tok, now)
-            except Exception:  # noqa: BLE001 - e.g. detokenization: this request fails, not the engine
-                log.exception("request %s: token handling failed", r.id)
-                self._finish(r, "error")
-
-    def _on_token(self, r: Request, tok: int, now: float) -> None:
-        if r.first_token_at is None:
-            r.first_token_at = now
-        r.out_ids.append(tok)
-        if tok in self.eos_ids and not r.params.ignore_eos:
-            self._emit(r, TokenEvent(r.stream.flush(), tok, len(r.out_ids) - 1))
-            self._finish(r, "stop")
-            return
-        delta = r.stream.push(tok)
-        if r.stream.stopped:
-            self._emit(r, TokenEvent(delta, tok, len(r.out_ids) - 1))
-            self._finish(r, "stop")
-        elif len(r.out_ids) >= r.params.max_tokens:
-            self._emit(r, TokenEvent(delta + r.stream.flush(), tok, len(r.out_ids) - 1))
-            self._finish(r, "length")
-        else:
-            self._emit(r, TokenEvent(delta, tok, len(r.out_ids) - 1))
-
-    def _finish(self, r: Request, reason: str) -> None:
-        if r.finished:
-            return
-        r.finished = True
-        now = self.clock()
-        if r in self.core.running:
-            self.pool.release(r.slot)
-        ttft, tpot = self.core.ended(r, reason, now)  # out of the queue; the co-execution policy learns it
-        if r.adapter is not None:
-            self.shadow.release(r.adapter)
-        n = len(r.out_ids)
-        rec = RequestRecord(
-            id=r.id, adapter_version=-1 if r.adapter is None else r.adapter.version,
-            prompt_tokens=len(r.prompt_ids), output_tokens=n, ttft_s=ttft, tpot_s=tpot, e2e_s=now - r.arrival,
-            ttft_slo_s=r.slo.ttft_s, tpot_slo_s=r.slo.tpot_s, finish_reason=reason, finished_at=time.time())
-        self.telemetry.record_request(rec)
-        text = r.stream.text if r.stream is not None else ""
-        self._emit(r, FinishEvent(reason, rec, text, list(r.out_ids)))
-
-    @staticmethod
-    def _emit(r: Request, event: object) -> None:
-        try:
-            r.on_event(event)
-        except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
-            log.exception("request %s: event callback failed; cancelling it", r.id)
-            r.cancelled = True
-
     def _fail_all(self, reason: str) -> None:
         core = self.core
         with self._lock:
@@ -467,76 +385,3 @@ class Engine:
         core.job = None
         core.jobs.clear()
         core.carry = None
-
-    # ================================================================= background work
-    def _run_background(self) -> bool:
-        """Run background work the rule admits: in idle time one unit (the loop then looks for arrivals);
-        beside decodes, unit after unit while the rule admits each (the gap before the next serving step);
-        the naive policy a whole micro-batch. True if anything ran."""
-        core = self.core
-        job = core.current_job(self.clock())
-        if job is None:
-            return False
-        ran = False
-        verdict = None
-        try:
-            while True:
-                unit = job.next_unit()
-                if verdict is None or verdict.reason == "busy-share":  # beside decodes: ask before every unit
-                    with self._lock:
-                        arriving = list(self._incoming)
-                    verdict, load = core.verdict(self.clock(), self.costs.unit_time(job.kind, unit.kind, unit.tokens),
-                                                 arriving)
-                    self._note_share()
-                    if not verdict.run:
-                        if not ran:
-                            job.report.deferrals += 1
-                            self.telemetry.record_deferral()
-                        return ran
-                t0 = self.clock()
-                completed_tokens = job.run_unit()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                now = self.clock()
-                dt = now - t0
-                if self.timeline is not None:
-                    self.timeline.record("unit", t=time.time() - dt, s=dt, job=job.kind,
-                                         unit=unit.kind, tok=unit.tokens, why=verdict.reason)
-                self.costs.observe_unit(job.kind, unit.kind, unit.tokens, dt)
-                self.telemetry.record_background(job.kind, dt, completed_tokens, beside_serving=not load.idle)
-                core.ran(verdict, dt)
-                job.report.compute_seconds += dt
-                job.pass_s += dt
-                if completed_tokens:  # a micro-batch completed: what a whole one costs, for the load report
-                    (self.costs.train if job.kind == "train" else self.costs.eval).observe([completed_tokens],
-                                                                                         job.pass_s)
-                    job.pass_s = 0.0
-                ran = True
-                if core.after_units(job, now) or core.ending:
-                    return True  # it ended (or ends at the next pass: shutdown)
-                if verdict.reason == "busy-share":
-                    continue  # the gap before the next serving step may hold more (the verdict decides)
-                if not self.policy.whole_passes or job.at_pass_boundary():
-                    return True  # idle: one unit per pass, so an arrival waits at most for it
-        except Exception as e:  # noqa: BLE001 - a failed job must not take serving down
-            log.exception("%s job failed", job.kind)
-            job.fail(e)
-            if core.job is job:
-                core.job = None
-            return False
-
-    def _note_share(self) -> None:
-        """The timeline records each change of the share the co-execution rule grants beside serving."""
-        share = self.policy.share
-        if self.timeline is not None and share != self._share_seen:
-            ctl = getattr(self.policy, "controller", None)
-            self.timeline.record("share", t=time.time(), f=round(share, 4),
-                                 **({"slack": ctl.slack, "act": ctl.action} if ctl is not None else {}))
-        self._share_seen = share
-
-    def _job_ended(self, job: BackgroundJob, deadline_hit: bool) -> None:
-        """The core ended a job (its future now holds the report)."""
-        train = job if isinstance(job, TrainJob) else None
-        carry = " (carry, until the next round)" if train and train.is_carry else ""
-        log.info("%s job done%s: %s", job.kind, carry,
-                 {k: v for k, v in job.report.as_dict().items() if k != "extra"})
