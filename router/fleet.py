@@ -22,14 +22,28 @@ from dataclasses import dataclass
 import numpy as np
 
 from collm.common.step_cost import step_seconds
-from collm.router.policy import POLICIES, Assumptions, Decision, EdgeView, Estimate, RequestView
+from collm.router.policy import (COLUMN_FIELDS, LOAD_FIELDS, POLICIES, Assumptions, Decision, EdgeView, Estimate,
+                                 RequestView)
 from collm.router.state import MIRRORED
 
 DEFAULT_COEF = EdgeView("", 0).step_coef  # what the rule assumes of an edge never scraped
+
+
+def _opt(v: float | None) -> float:
+    return math.nan if v is None else float(v)
+
+
+def row_of(x) -> dict:
+    """One row of the columns from an EdgeView or a router Scrape (same field names; None: NaN),
+    through the declared `policy.COLUMN_FIELDS`."""
+    row = {col: bool(getattr(x, f)) if col == "training" else _opt(getattr(x, f)) for col, f in COLUMN_FIELDS.items()}
+    row.update({f"c{i}": float(c) for i, c in enumerate(x.step_coef)})
+    return row
+
+
 # What a row without a fresh scrape says about the edge's load (only the router's own counts stay):
-# FleetTable's stale rows, and collm-sim's.
-UNSCRAPED = {"outstanding_at": 0.0, "queue": np.nan, "running": np.nan, "training": False, "busy": 0.0,
-             "spare": 1.0, "finish_rate": 0.0, "share": 0.0}
+# an EdgeView's defaults in the load columns. FleetTable's stale rows, and collm-sim's.
+UNSCRAPED = {col: v for col, v in row_of(EdgeView("", 0)).items() if COLUMN_FIELDS.get(col) in LOAD_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -59,23 +73,13 @@ class Columns:
     share: np.ndarray  # training_share: the p2c tie-break after load
 
 
-def _opt(v: float | None) -> float:
-    return math.nan if v is None else float(v)
-
-
 def columns_from_views(views: list[EdgeView]) -> Columns:
-    """The columns of a list of views (tests, benchmarks, and any caller that has views)."""
-    f = np.array
-    return Columns(
-        [v.name for v in views], f([v.outstanding for v in views], float),
-        f([v.outstanding_at_scrape for v in views], float), f([_opt(v.queue_depth) for v in views]),
-        f([_opt(v.running) for v in views]), f([v.max_running for v in views], float),
-        *(f([v.step_coef[i] for v in views], float) for i in range(4)),
-        f([v.ttft_target_s for v in views], float), f([v.tpot_target_s for v in views], float),
-        f([v.training_active for v in views], bool), f([v.training_busy for v in views], float),
-        f([v.spare_capacity for v in views], float), f([v.finish_rate for v in views], float),
-        f([v.unused_s for v in views], float), f([_opt(v.step_token_budget) for v in views]),
-        f([_opt(v.slo_safety) for v in views]), f([v.training_share for v in views], float))
+    """The columns of a list of views (tests, benchmarks, collm-sim's first rows)."""
+    rows = [row_of(v) for v in views]
+    cols = {k: np.array([r[k] for r in rows], bool if k == "training" else float) for k in rows[0]} if rows else \
+        {k: np.array([], bool if k == "training" else float) for k in row_of(EdgeView("", 0))}
+    return Columns([v.name for v in views], np.array([v.outstanding for v in views], float),
+                   unused=np.array([v.unused_s for v in views], float), **cols)
 
 
 def _or(values: np.ndarray, default: float) -> np.ndarray:
@@ -187,9 +191,8 @@ class FleetTable:
         self.outstanding = np.zeros(N)
         self.last_sent = np.zeros(N)
         self.at = np.full(N, -np.inf)
-        self.blank = {  # a row never scraped: the router's defaults (EdgeState.view with no scrape)
-            **UNSCRAPED, "max_running": float(default_max_running), **{f"c{i}": DEFAULT_COEF[i] for i in range(4)},
-            "ttft_target": ttft_target_s, "tpot_target": tpot_target_s, "budget": np.nan, "safety": np.nan}
+        self.blank = row_of(EdgeView(  # a row never scraped: the router's defaults (EdgeState.view with no scrape)
+            "", 0, max_running=default_max_running, ttft_target_s=ttft_target_s, tpot_target_s=tpot_target_s))
         self.data = {k: np.full(N, v, dtype=bool if isinstance(v, bool) else float) for k, v in self.blank.items()}
         for i, e in enumerate(edges):
             self.attach(i, e)
@@ -214,15 +217,8 @@ class FleetTable:
                 d[k][i] = v
             return
         self.at[i] = s.at
-        d["outstanding_at"][i], d["queue"][i], d["running"][i] = s.outstanding_at, s.queue_depth, s.running
-        d["max_running"][i] = s.max_running
-        for k in range(4):
-            d[f"c{k}"][i] = s.step_coef[k]
-        d["ttft_target"][i], d["tpot_target"][i] = s.ttft_target_s, s.tpot_target_s
-        d["training"][i], d["busy"][i], d["spare"][i] = s.training_active, s.training_busy, s.spare_capacity
-        d["finish_rate"][i], d["budget"][i], d["safety"][i] = s.finish_rate, _opt(s.step_token_budget), \
-            _opt(s.slo_safety)
-        d["share"][i] = s.training_share
+        for k, v in row_of(s).items():
+            d[k][i] = v
 
     def routable(self, now: float, exclude: list[int] = ()) -> np.ndarray | None:
         """Rows a request may go to: healthy, not among `exclude`, and not cooling down unless every

@@ -87,7 +87,7 @@ class EdgeView:
 
     name: str
     outstanding: int  # o: requests this router has in flight there now
-    outstanding_at_scrape: int = 0  # o_s: ... when the last scrape used here was sent
+    outstanding_at: int = 0  # o_s: ... when the last scrape used here was sent (a Scrape's name)
     queue_depth: float | None = None  # q (None: no fresh scrape; then only o counts)
     running: float | None = None  # r
     max_running: float = 16  # M
@@ -102,6 +102,20 @@ class EdgeView:
     step_token_budget: float | None = None  # B as the edge exports it (None: Assumptions' value)
     slo_safety: float | None = None  # s as the edge exports it (None: Assumptions' value)
     training_share: float = 0.0  # fraction of the window spent training, idle time included (a tie-break)
+
+
+# The rule's input, declared once. Each column of `fleet.Columns` and the EdgeView field it holds (a
+# router `state.Scrape` has the same fields, so a scrape, a view and a simulated edge all fill a row
+# through this table); step_coef is four columns, c0..c3.
+COLUMN_FIELDS = {"outstanding_at": "outstanding_at", "queue": "queue_depth", "running": "running",
+                 "max_running": "max_running", "ttft_target": "ttft_target_s", "tpot_target": "tpot_target_s",
+                 "training": "training_active", "busy": "training_busy", "spare": "spare_capacity",
+                 "finish_rate": "finish_rate", "budget": "step_token_budget", "safety": "slo_safety",
+                 "share": "training_share"}
+# What a scrape says about the edge's load at the time: a stale scrape drops these (the router then
+# counts only its own requests in flight there) and keeps the rest, the edge's limits and costs.
+LOAD_FIELDS = ("outstanding_at", "queue_depth", "running", "training_active", "training_busy", "spare_capacity",
+               "finish_rate", "training_share")
 
 
 @dataclass(frozen=True)
@@ -164,7 +178,7 @@ def edge_load(e: EdgeView) -> float:
     """n: requests on the edge, the scrape corrected by what this router sent since."""
     if e.queue_depth is None or e.running is None:
         return float(e.outstanding)
-    return max(float(e.outstanding), e.queue_depth + e.running + e.outstanding - e.outstanding_at_scrape)
+    return max(float(e.outstanding), e.queue_depth + e.running + e.outstanding - e.outstanding_at)
 
 
 def estimate(e: EdgeView, x: RequestView, a: Assumptions = Assumptions()) -> Estimate:

@@ -18,21 +18,22 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from collm.common import metric_names as M
 
 from collm.router.config import EdgeEndpoint, HealthConfig, RoutingConfig
-from collm.router.policy import EdgeView
+from collm.router.policy import LOAD_FIELDS, EdgeView
 
 log = logging.getLogger("collm.router")
 
 
 @dataclass(frozen=True)
 class Scrape:
-    """The gauges of one edge /metrics response that routing uses."""
+    """The gauges of one edge /metrics response that routing uses: `policy.EdgeView`'s fields by the same
+    names (the rule's columns are filled from either through `policy.COLUMN_FIELDS`)."""
 
     at: float  # monotonic time the scrape was sent
     outstanding_at: int  # router requests in flight to the edge when it was sent
@@ -174,14 +175,9 @@ class EdgeState:
             return EdgeView(self.name, self.outstanding, max_running=routing.default_max_running,
                             ttft_target_s=routing.default_slo.ttft_s, tpot_target_s=routing.default_slo.tpot_s,
                             unused_s=unused)
-        if now - s.at > stale_after_s:  # keep what an old scrape says about the edge, not about its load
-            return EdgeView(self.name, self.outstanding, max_running=s.max_running, step_coef=s.step_coef,
-                            ttft_target_s=s.ttft_target_s, tpot_target_s=s.tpot_target_s, unused_s=unused,
-                            step_token_budget=s.step_token_budget, slo_safety=s.slo_safety)
-        return EdgeView(
-            self.name, self.outstanding, s.outstanding_at, s.queue_depth, s.running, s.max_running, s.step_coef,
-            s.ttft_target_s, s.tpot_target_s, s.training_active, s.training_busy, s.spare_capacity, s.finish_rate,
-            unused, s.step_token_budget, s.slo_safety, s.training_share)
+        fresh = now - s.at <= stale_after_s  # an old scrape: keep what it says about the edge, not its load
+        said = {f.name: getattr(s, f.name) for f in fields(s) if f.name != "at" and (fresh or f.name not in LOAD_FIELDS)}
+        return EdgeView(self.name, self.outstanding, unused_s=unused, **said)
 
     def describe(self) -> dict:
         s = self.scrape

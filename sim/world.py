@@ -39,7 +39,7 @@ from collm.edge_client.engine.co_schedule import make_policy
 from collm.lab.bench_config import edge_policy, is_collm, mode_roles, router_policy
 from collm.router import fleet
 from collm.router.config import HealthConfig
-from collm.router.policy import Assumptions, RequestView, unattainable
+from collm.router.policy import Assumptions, EdgeView, RequestView, unattainable
 from collm.sim.config import SimConfig
 from collm.sim.edge import SimEdge, SimRequest
 from collm.sim.profile import EdgeProfile
@@ -231,15 +231,13 @@ class World(FederationRounds):
         self.names = [e.name for e in self.serving]
         self.outstanding = np.zeros(S)
         self.last_sent = np.zeros(S)
-        z = np.zeros(S)
-        cfg = self.cfg
-        self.scr = {"outstanding_at": z.copy(), "queue": np.full(S, np.nan), "running": np.full(S, np.nan),
-                    "max_running": np.array([e.p.max_running for e in self.serving], float),
-                    **{f"c{i}": np.array([e.p.belief()[i] for e in self.serving]) for i in range(4)},
-                    "ttft_target": np.full(S, self.slo.ttft_s), "tpot_target": np.full(S, self.slo.tpot_s),
-                    "training": np.zeros(S, bool), "busy": z.copy(), "spare": np.ones(S), "finish_rate": z.copy(),
-                    "budget": np.array([e.p.step_token_budget for e in self.serving], float),
-                    "safety": np.full(S, cfg.slo_safety), "share": z.copy()}
+        # each serving edge as the router first sees it: its limits and costs, no load yet (the same
+        # declared columns the router fills from its scrapes)
+        first = fleet.columns_from_views([
+            EdgeView(e.name, 0, max_running=e.p.max_running, step_coef=e.p.belief(), ttft_target_s=self.slo.ttft_s,
+                     tpot_target_s=self.slo.tpot_s, step_token_budget=e.p.step_token_budget,
+                     slo_safety=self.cfg.slo_safety) for e in self.serving])
+        self.scr = {k: getattr(first, k) for k in fleet.row_of(EdgeView("", 0))}
         self.scraped_at = np.full(S, -np.inf)
         self.shards = min(self.cfg.router.shards, max(S, 1))
         self._shard_rows = [np.arange(k, S, self.shards) for k in range(self.shards)]

@@ -18,7 +18,7 @@ from collm.router.state import EdgeState, Scrape
 def random_view(i: int, rng: random.Random) -> EdgeView:
     scraped = rng.random() < 0.8
     return EdgeView(
-        f"edge{i}", outstanding=rng.randint(0, 5), outstanding_at_scrape=rng.randint(0, 3),
+        f"edge{i}", outstanding=rng.randint(0, 5), outstanding_at=rng.randint(0, 3),
         queue_depth=float(rng.choice([0, 0, 1, 4])) if scraped else None,
         running=float(rng.randint(0, 8)) if scraped else None, max_running=float(rng.choice([4, 8, 16])),
         step_coef=(0.01 + rng.random() * 0.02, 0.002 * rng.random(), 2e-5, 0.001 * rng.random()),

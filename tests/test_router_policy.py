@@ -12,7 +12,7 @@ COEF = (0.003, 0.0005, 2e-5, 0.0015)  # about what the tiny model measures on a 
 
 
 def idle(name, **kw):
-    base = dict(outstanding=0, outstanding_at_scrape=0, queue_depth=0, running=0, max_running=8, step_coef=COEF,
+    base = dict(outstanding=0, outstanding_at=0, queue_depth=0, running=0, max_running=8, step_coef=COEF,
                 ttft_target_s=1.0, tpot_target_s=0.1)
     return EdgeView(name, **{**base, **kw})
 
@@ -46,11 +46,11 @@ def test_queued_edge_is_avoided_and_wait_grows_with_the_queue():
 
 def test_requests_sent_since_the_scrape_count_as_load():
     # the last scrape saw an idle edge, but this router has sent it 12 requests since (none done)
-    e = idle("a", outstanding=12, outstanding_at_scrape=0)
+    e = idle("a", outstanding=12, outstanding_at=0)
     assert edge_load(e) == 12
     assert estimate(e, X).ttft_s > estimate(idle("b"), X).ttft_s
     # requests that finished since the scrape are no longer counted: scrape saw 5 (all ours), 2 are left
-    assert edge_load(idle("c", running=5, outstanding=2, outstanding_at_scrape=5)) == 2
+    assert edge_load(idle("c", running=5, outstanding=2, outstanding_at=5)) == 2
     # no fresh scrape: only the router's own in-flight requests
     assert edge_load(EdgeView("d", outstanding=3)) == 3
     picks = {choose("slo", [e, idle("b")], X, random.Random(s)).edge for s in range(20)}
@@ -91,7 +91,7 @@ def test_request_slo_override_takes_precedence_over_the_edge_targets():
 
 
 def test_near_ties_use_two_choices_on_outstanding_and_spread_over_idle_edges():
-    edges = [idle("a", outstanding=3, running=3, outstanding_at_scrape=3), idle("b"), idle("c")]
+    edges = [idle("a", outstanding=3, running=3, outstanding_at=3), idle("b"), idle("c")]
     # a looks nearly as good by slack (within the tie margin) but has more in flight
     picks = Counter(choose("slo", edges, X, random.Random(s)).edge for s in range(300))
     assert picks["a"] == 0  # a is in every sampled pair it loses
