@@ -20,6 +20,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from collm.common import protocol as P
 from collm.common import wire
 from collm.common.config import deep_merge, validate_config
 from collm.server.app import app as server_app
@@ -101,7 +102,7 @@ client_app = ClientApp()
 
 
 def _identity(edge: FakeEdge) -> ConfigRecord:
-    return ConfigRecord({"edge-name": edge.name})
+    return ConfigRecord({P.EDGE_NAME: edge.name})
 
 
 @client_app.query()
@@ -110,57 +111,57 @@ def _query(msg: Message, context: Context) -> Message:
     edge.queries += 1
     if edge.query_fails:
         raise RuntimeError("engine not ready")
-    return Message(RecordDict({"report": edge.report(), "identity": _identity(edge)}), reply_to=msg)
+    return Message(RecordDict({P.REPORT: edge.report(), P.IDENTITY: _identity(edge)}), reply_to=msg)
 
 
 @client_app.train()
 def _train(msg: Message, context: Context) -> Message:
     edge = EDGES[context.node_config["name"]]
-    cfg = dict(msg.content["config"])
-    rec = msg.content["arrays"]
+    cfg = dict(msg.content[P.CONFIG])
+    rec = msg.content[P.ARRAYS]
     start = wire.unpack(rec) or seeded_initial_adapter(edge.rank)  # what the server sends is packed, as an edge reads it
-    if "lora-alpha" in cfg and wire.unpack(rec):
-        start, _ = fit_rank(start, cfg["lora-alpha"], edge.rank, edge.alpha, seeded_initial_adapter(edge.rank))
+    if P.LORA_ALPHA in cfg and wire.unpack(rec):
+        start, _ = fit_rank(start, cfg[P.LORA_ALPHA], edge.rank, edge.alpha, seeded_initial_adapter(edge.rank))
     edge.train_configs.append(cfg)
     edge.train_arrays.append({k: v.copy() for k, v in start.items()})
-    scale = 100.0 if edge.scale_from_round and cfg["server-round"] >= edge.scale_from_round else 1.0
-    frozen = cfg.get("lora-freeze-a") and edge.honours_freeze
+    scale = 100.0 if edge.scale_from_round and cfg[P.SERVER_ROUND] >= edge.scale_from_round else 1.0
+    frozen = cfg.get(P.FREEZE_A) and edge.honours_freeze
     local = {k: (v if frozen and "lora_A" in k else v + scale * edge.delta()).astype(np.float32)
              for k, v in start.items()}
-    if "lora-alpha" in cfg:  # mixed ranks: a full-rank step, so the products' sum has more than the server's rank
-        local = product_step(start, edge, cfg["server-round"]) if edge.trains else dict(start)
-    if "clipping_norm" in cfg and edge.clips:
+    if P.LORA_ALPHA in cfg:  # mixed ranks: a full-rank step, so the products' sum has more than the server's rank
+        local = product_step(start, edge, cfg[P.SERVER_ROUND]) if edge.trains else dict(start)
+    if P.CLIPPING_NORM in cfg and edge.clips:
         from flwr.supercore.differential_privacy import compute_clip_model_update
 
         keys = sorted(local)
         mine = [local[k] for k in keys]
-        compute_clip_model_update(mine, [start[k] for k in keys], cfg["clipping_norm"])
+        compute_clip_model_update(mine, [start[k] for k in keys], cfg[P.CLIPPING_NORM])
         local = {k: np.asarray(v, np.float32) for k, v in zip(keys, mine)}
     if edge.nan_update:
         first = next(iter(local))
         local[first][0, 0] = np.nan
-    examples = cfg["budget-tokens"] // 100 if edge.claims is None else edge.claims
-    metrics = MetricRecord({"num-examples": examples, "train-loss": 2.0 - edge.delta(),
-                            "train-tokens": cfg["budget-tokens"], "train-steps": 3, "deadline-hit": 0,
-                            "seconds": 1.0, **({"extra": 1.0} if edge.extra_metric else {}),
-                            **({"lora-alpha": edge.alpha} if "lora-alpha" in cfg and edge.sends_alpha else {})})
+    examples = cfg[P.BUDGET_TOKENS] // 100 if edge.claims is None else edge.claims
+    metrics = MetricRecord({P.NUM_EXAMPLES: examples, P.TRAIN_LOSS: 2.0 - edge.delta(),
+                            P.TRAIN_TOKENS: cfg[P.BUDGET_TOKENS], P.TRAIN_STEPS: 3, P.DEADLINE_HIT: 0,
+                            P.SECONDS: 1.0, **({"extra": 1.0} if edge.extra_metric else {}),
+                            **({P.LORA_ALPHA: edge.alpha} if P.LORA_ALPHA in cfg and edge.sends_alpha else {})})
     arrays = ArrayRecord({k: Array(v) for k, v in local.items()}) if edge.keyed_reply else wire.pack(local)
     if edge.malformed:
         arrays = MALFORMED[edge.malformed]()
-    return Message(RecordDict({"arrays": arrays, "metrics": metrics, "identity": _identity(edge)}), reply_to=msg)
+    return Message(RecordDict({P.ARRAYS: arrays, P.METRICS: metrics, P.IDENTITY: _identity(edge)}), reply_to=msg)
 
 
 @client_app.evaluate()
 def _evaluate(msg: Message, context: Context) -> Message:
     edge = EDGES[context.node_config["name"]]
-    rnd = int(msg.content["config"]["server-round"])
+    rnd = int(msg.content[P.CONFIG][P.SERVER_ROUND])
     edge.evals.append(rnd)
-    arrays = wire.unpack(msg.content["arrays"])
+    arrays = wire.unpack(msg.content[P.ARRAYS])
     mean_abs = float(np.mean([np.abs(v).mean() for v in arrays.values()])) if arrays else 0.0
-    metrics = MetricRecord({"num-examples": 16, "eval-loss": 3.0 - mean_abs - 0.1 * edge.index,
-                            "eval-accuracy": 0.5, "adapter-version": float(0 if edge.refuses else rnd),
-                            "canary-refused": int(edge.refuses)})
-    return Message(RecordDict({"metrics": metrics, "identity": _identity(edge)}), reply_to=msg)
+    metrics = MetricRecord({P.NUM_EXAMPLES: 16, P.EVAL_LOSS: 3.0 - mean_abs - 0.1 * edge.index,
+                            P.EVAL_ACCURACY: 0.5, P.ADAPTER_VERSION: float(0 if edge.refuses else rnd),
+                            P.CANARY_REFUSED: int(edge.refuses)})
+    return Message(RecordDict({P.METRICS: metrics, P.IDENTITY: _identity(edge)}), reply_to=msg)
 
 
 class LocalGrid(Grid):
