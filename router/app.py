@@ -68,7 +68,6 @@ BEST_EFFORT_HEADER = "X-CoLLM-Best-Effort"  # "1"/"true": route even when no edg
 FORWARDED_HEADERS = ("content-type", "accept")  # never the client's key: the router sends its own (edge_key)
 
 
-
 def edge_verify(ca_file: str | None):
     """How the router checks https:// edges: the system's CAs, or the given CA file (a one-line error if unreadable)."""
     if ca_file is None:
@@ -165,6 +164,7 @@ class Router(EdgeProxy):
 
     # ---------------------------------------------------------------- forwarding
     async def forward(self, request: Request, path: str, method: str = "POST", chat: bool = False) -> Response:
+        """One client request: refused when the router is full or a key may not skip admission, else routed."""
         raw = await request.body() if method == "POST" else b""
         body = None
         if raw:
@@ -184,6 +184,11 @@ class Router(EdgeProxy):
                                                code="best_effort_not_allowed"), status_code=403)
             x = replace(x, best_effort=True)
         headers = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
+        return await self._route(x, stream, method, path, raw, headers, request)
+
+    async def _route(self, x: RequestView, stream: bool, method: str, path: str, raw: bytes, headers: dict,
+                     request: Request) -> Response:
+        """Admission on the first pick, then one try and at most one retry on another edge (`router/proxy.py`)."""
         tried: list[str] = []
         failed: list[AttemptFailed] = []
         for attempt in (1, 2):
@@ -206,6 +211,10 @@ class Router(EdgeProxy):
                                            decision.soonest)
             except AttemptFailed as f:
                 failed.append(f)
+        return self._unserved(tried, failed)
+
+    def _unserved(self, tried: list[str], failed: list[AttemptFailed]) -> Response:
+        """No try succeeded: the last edge's own answer (5xx or 429) if there was one, else 503."""
         last_answer = next((f.response for f in reversed(failed) if f.response is not None), None)
         if last_answer is not None:  # an edge answered (5xx or 429) and no retry could do better
             return last_answer

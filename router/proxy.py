@@ -50,6 +50,26 @@ class ClientGone(Exception):
     pass
 
 
+class OpenAttempt:
+    """One try in flight on an edge: counted in `edge.outstanding`, holding the edge's response, until `close`,
+    which is idempotent (the relay and the response's background both call it)."""
+
+    def __init__(self, edge: EdgeState):
+        self.edge = edge
+        self.up: httpx.Response | None = None
+        self.closed = False
+        edge.outstanding += 1
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.edge.outstanding -= 1
+        if self.up is not None:
+            with anyio.CancelScope(shield=True):
+                await self.up.aclose()
+
+
 class EdgeProxy:
     """Needs `cfg`, `client` (httpx), `metrics` (RouterMetrics) and `_learn_output` from the router."""
 
@@ -57,69 +77,74 @@ class EdgeProxy:
                        stream: bool, attempt: int, request: Request, soonest: Estimate | None = None) -> Response:
         """One try on one edge; raises AttemptFailed when the client has had nothing yet and a retry may help."""
         self.metrics.routed.labels(edge.name).inc()
-        edge.outstanding += 1
+        held = OpenAttempt(edge)
         edge.last_sent = time.monotonic()
-        closed = False
-        up: httpx.Response | None = None
-
-        async def close() -> None:  # idempotent: the relay and the response's background both call it
-            nonlocal closed
-            if closed:
-                return
-            closed = True
-            edge.outstanding -= 1
-            if up is not None:
-                with anyio.CancelScope(shield=True):
-                    await up.aclose()
-
         handed_off = False
         t0 = time.perf_counter()
         try:
-            try:
-                up = await self.client.send(self.client.build_request(method, edge.url + path, content=raw,
-                                                                      headers=headers), stream=True)
-            except httpx.HTTPError as e:
-                self._transport_failure(edge, e)
-                raise AttemptFailed("connect" if isinstance(e, httpx.ConnectError) else "read", describe(e)) from None
+            held.up = up = await self._send(edge, method, path, raw, headers)
             edge.last_progress = time.monotonic()
             out_headers = self._headers(up, edge, attempt, soonest)
-            status = up.status_code
-            if status in (429, 503):  # overloaded or not ready: leave it alone for a while either way
-                edge.cool_down(self.cfg.health.cooldown_s, f"answered {status}")
-            if status >= 500 or (status == 429 and self.cfg.routing.retry_429):
-                content = await self._read_quietly(up)
-                self.metrics.failures.labels(edge.name, f"http_{status}").inc()
-                self.metrics.responses.labels(edge.name, f"{status // 100}xx").inc()
-                raise AttemptFailed(str(status), f"answered {status}", Response(content, status, out_headers))
-            if status >= 400:
-                content = await up.aread()
-                self.metrics.responses.labels(edge.name, "4xx").inc()
-                return Response(content, status, out_headers)
+            if up.status_code >= 400:
+                return await self._error_answer(edge, up, out_headers)
             if stream and up.headers.get("content-type", "").startswith("text/event-stream"):
-                chunks = up.aiter_raw()
-                try:  # hold the response until the first chunk: a failure before it is retried
-                    first = await chunks.__anext__()
-                except (httpx.HTTPError, StopAsyncIteration) as e:
-                    self._transport_failure(edge, e)
-                    raise AttemptFailed("read", describe(e)) from None
+                chunks, first = await self._first_chunk(edge, up)
                 handed_off = True
-                return StreamingResponse(self._relay(edge, est, chunks, first, t0, close), status_code=status,
-                                         headers=out_headers, media_type="text/event-stream",
-                                         background=BackgroundTask(close))
-            try:
-                content = await self._read_unless_gone(up, request)
-            except ClientGone:  # nobody to answer; closing the connection cancels the edge's work
-                self.metrics.responses.labels(edge.name, "client_gone").inc()
-                return Response(b"", 499)
-            except httpx.HTTPError as e:
-                self._transport_failure(edge, e)
-                raise AttemptFailed("read", describe(e)) from None
-            self._observe_json(edge, est, content)
-            self.metrics.responses.labels(edge.name, "2xx").inc()
-            return Response(content, status, out_headers)
+                return StreamingResponse(self._relay(edge, est, chunks, first, t0, held.close),
+                                         status_code=up.status_code, headers=out_headers,
+                                         media_type="text/event-stream", background=BackgroundTask(held.close))
+            return await self._json_answer(edge, est, up, request, out_headers)
         finally:
             if not handed_off:
-                await close()
+                await held.close()
+
+    async def _send(self, edge: EdgeState, method: str, path: str, raw: bytes, headers: dict) -> httpx.Response:
+        """The edge's response, its body not read yet; a transport error raises AttemptFailed."""
+        try:
+            return await self.client.send(self.client.build_request(method, edge.url + path, content=raw,
+                                                                    headers=headers), stream=True)
+        except httpx.HTTPError as e:
+            self._transport_failure(edge, e)
+            raise AttemptFailed("connect" if isinstance(e, httpx.ConnectError) else "read", describe(e)) from None
+
+    async def _error_answer(self, edge: EdgeState, up: httpx.Response, out_headers: dict) -> Response:
+        """An edge's 4xx or 5xx: 5xx (and 429 under `routing.retry_429`) raise AttemptFailed with the answer,
+        other 4xx are the client's mistake and pass through."""
+        status = up.status_code
+        if status in (429, 503):  # overloaded or not ready: leave it alone for a while either way
+            edge.cool_down(self.cfg.health.cooldown_s, f"answered {status}")
+        if status >= 500 or (status == 429 and self.cfg.routing.retry_429):
+            content = await self._read_quietly(up)
+            self.metrics.failures.labels(edge.name, f"http_{status}").inc()
+            self.metrics.responses.labels(edge.name, f"{status // 100}xx").inc()
+            raise AttemptFailed(str(status), f"answered {status}", Response(content, status, out_headers))
+        content = await up.aread()
+        self.metrics.responses.labels(edge.name, "4xx").inc()
+        return Response(content, status, out_headers)
+
+    async def _first_chunk(self, edge: EdgeState, up: httpx.Response) -> tuple[AsyncIterator[bytes], bytes]:
+        """The stream's chunks and its first one: a failure before it raises AttemptFailed (the stream is retried)."""
+        chunks = up.aiter_raw()
+        try:
+            return chunks, await chunks.__anext__()
+        except (httpx.HTTPError, StopAsyncIteration) as e:
+            self._transport_failure(edge, e)
+            raise AttemptFailed("read", describe(e)) from None
+
+    async def _json_answer(self, edge: EdgeState, est: Estimate, up: httpx.Response, request: Request,
+                           out_headers: dict) -> Response:
+        """The whole body, unless the client leaves first; a read failure raises AttemptFailed."""
+        try:
+            content = await self._read_unless_gone(up, request)
+        except ClientGone:  # nobody to answer; closing the connection cancels the edge's work
+            self.metrics.responses.labels(edge.name, "client_gone").inc()
+            return Response(b"", 499)
+        except httpx.HTTPError as e:
+            self._transport_failure(edge, e)
+            raise AttemptFailed("read", describe(e)) from None
+        self._observe_json(edge, est, content)
+        self.metrics.responses.labels(edge.name, "2xx").inc()
+        return Response(content, up.status_code, out_headers)
 
     def _transport_failure(self, edge: EdgeState, e: BaseException) -> None:
         if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):

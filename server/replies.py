@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.supercore import log
-from logging import WARNING
+from logging import INFO, WARNING
 
 import numpy as np
 
@@ -134,3 +134,29 @@ def weighed(updates: list[Update], robust, rec) -> list[Update]:
                 "median of the others)", u.name, u.num_examples, w, robust.max_weight_ratio)
     return [replace(u, num_examples=w) for u, w in zip(updates, weights, strict=True)]
 
+
+def read_eval_replies(replies: list[Message], names: list[str], weighted_by_key: str, r: int, rec) -> list[Message]:
+    """Each edge's holdout metrics into `rec.eval`, and an edge whose canary gate refused the new global into
+    `rec.refused_by`; the replies that carry a positive weight (`weighted_by_key`) are the ones to average."""
+    usable = []
+    for m, name in zip(replies, names, strict=True):
+        if m.has_error():
+            rec.eval[name] = {"error": m.error.reason}
+            log(WARNING, "round %d: evaluation on %s failed: %s", r, name, m.error.reason)
+            continue
+        metrics = m.content.metric_records
+        if len(metrics) != 1:
+            rec.eval[name] = {"error": f"expected one MetricRecord, got {len(metrics)}"}
+            continue
+        values = dict(next(iter(metrics.values())))
+        rec.eval[name] = values
+        log(INFO, "round %d: %s holdout eval-loss %s", r, name, fmt(values.get(P.EVAL_LOSS)))
+        if values.get(P.CANARY_REFUSED):
+            rec.refused_by.append(name)
+            log(WARNING, "round %d: %s refused to serve this round's global (its canary gate: holdout "
+                "loss %s, worse than what it serves); it keeps serving version %s", r, name,
+                fmt(values.get(P.EVAL_LOSS)), fmt(values.get(P.ADAPTER_VERSION)))
+        weight = values.get(weighted_by_key)
+        if isinstance(weight, (int, float)) and weight > 0:
+            usable.append(m)
+    return usable

@@ -14,7 +14,8 @@ Each hook reads top to bottom and hands the decisions to pure helpers:
   chooses), hands the rest to flwr and lets the rules make the aggregate final. Nothing left: the
   global stays as it was.
 * `configure_evaluate`  sends the new global to `fraction_evaluate` of the edges, which serve it.
-* `aggregate_evaluate` records each edge's holdout metrics.
+* `aggregate_evaluate` records each edge's holdout metrics and whether its canary gate refused the
+  new global (`server/replies.py`).
 * `start`  checkpoints the round (adapter + metrics.json, the round's `RoundRecord`) after its
   evaluation; only then is the round complete.
 
@@ -48,7 +49,8 @@ from collm.server.checkpoints import write_round
 from collm.server.config import ServerConfig
 from collm.server.privacy import PrivacyLedger, Release
 from collm.server.intake import prepare_updates, screen_round
-from collm.server.replies import common_metric_keys, edge_name, fmt, read_train_replies, unique_names, with_weight
+from collm.server.replies import (common_metric_keys, edge_name, read_eval_replies, read_train_replies,
+                                  unique_names, with_weight)
 from collm.server.robust import Update
 from collm.server.round_record import RoundRecord
 from collm.server.rules import rules_for
@@ -350,32 +352,13 @@ class CollmRounds:
         return self._outbox
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Record each edge's holdout metrics and canary refusals (`server/replies.py`); flwr averages the
+        replies that carry a weight."""
         r = self.real_round(server_round)
         rec = self._record(r)
         replies = list(replies)
         names = self._names_of(replies)
-        usable = []
-        for m in replies:
-            name = names[self._node_of(m)]
-            if m.has_error():
-                rec.eval[name] = {"error": m.error.reason}
-                log(WARNING, "round %d: evaluation on %s failed: %s", r, name, m.error.reason)
-                continue
-            metrics = m.content.metric_records
-            if len(metrics) != 1:
-                rec.eval[name] = {"error": f"expected one MetricRecord, got {len(metrics)}"}
-                continue
-            values = dict(next(iter(metrics.values())))
-            rec.eval[name] = values
-            log(INFO, "round %d: %s holdout eval-loss %s", r, name, fmt(values.get(P.EVAL_LOSS)))
-            if values.get(P.CANARY_REFUSED):
-                rec.refused_by.append(name)
-                log(WARNING, "round %d: %s refused to serve this round's global (its canary gate: holdout "
-                    "loss %s, worse than what it serves); it keeps serving version %s", r, name,
-                    fmt(values.get(P.EVAL_LOSS)), fmt(values.get(P.ADAPTER_VERSION)))
-            weight = values.get(self.weighted_by_key)
-            if isinstance(weight, (int, float)) and weight > 0:
-                usable.append(m)
+        usable = read_eval_replies(replies, [names[self._node_of(m)] for m in replies], self.weighted_by_key, r, rec)
         if not usable:
             return None
         metrics = super().aggregate_evaluate(r, common_metric_keys(usable, r))

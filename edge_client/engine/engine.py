@@ -2,7 +2,8 @@
 
 The loop (`Engine._loop`) is the algorithm, in order; every decision in it is the replica core's
 (`engine.replica.ReplicaCore`, the object the simulator drives too). The serving step and a
-request's end are in `engine.serving`, the background units in `engine.background`:
+request's end are in `engine.serving`, the background units in `engine.background`, the KV plan and
+EOS ids in `engine.model_limits`:
 
 1. take new requests, cancellations and jobs from other threads; shed (`engine.shed_late`) a waiting
    request whose wait plus the prefill ahead of it and its own is past its TTFT target;
@@ -38,6 +39,7 @@ from collm.edge_client.config import EdgeConfig
 from collm.edge_client.engine.background import BackgroundRunner
 from collm.edge_client.engine.co_schedule import make_policy
 from collm.edge_client.engine.cost_model import CostModels
+from collm.edge_client.engine.model_limits import eos_ids, plan_kv
 from collm.edge_client.engine.replica import ReplicaCore
 from collm.edge_client.engine.serving import StepRunner
 from collm.edge_client.engine.requests import (AdmittedEvent, EngineError, EngineFailed, FinishEvent, PromptTooLong,
@@ -46,7 +48,7 @@ from collm.edge_client.engine.telemetry import EdgeSnapshot, Telemetry
 from collm.edge_client.engine.timeline import open_timeline
 from collm.edge_client.model.loading import LoadedModel
 from collm.edge_client.model.lora import TrainableAdapter, inject_lora
-from collm.edge_client.model.runner import KVPool, ModelRunner
+from collm.edge_client.model.runner import ModelRunner
 from collm.edge_client.model.sampling import SamplingParams
 from collm.edge_client.model.shadow import ShadowAdapter
 from collm.edge_client.training.data import EdgeData
@@ -59,27 +61,6 @@ __all__ = ["AdmittedEvent", "Engine", "EngineError", "EngineFailed", "FinishEven
            "Request", "ShuttingDown", "TokenEvent", "plan_kv"]
 
 log = logging.getLogger("collm.engine")
-
-
-def plan_kv(cfg: EdgeConfig, runner: ModelRunner, model_max: int) -> tuple[int, int]:
-    """(slots, tokens per slot) that fit engine.kv_cache_mb; one slot per running request."""
-    bpt = KVPool.bytes_per_token(runner.n_layers, runner.n_kv, runner.head_dim, runner.dtype)
-    limit = min(cfg.engine.max_context or model_max, model_max)
-    per_slot = int(cfg.engine.kv_cache_mb * 2**20 // (cfg.engine.max_running * bpt))
-    slot_len = min(limit, per_slot)
-    if slot_len < 32:
-        raise ValueError(
-            f"engine.kv_cache_mb={cfg.engine.kv_cache_mb:g} gives {per_slot} tokens per request with "
-            f"max_running={cfg.engine.max_running}; raise kv_cache_mb or lower max_running")
-    return cfg.engine.max_running, slot_len
-
-
-def eos_ids(lm: LoadedModel) -> set[int]:
-    """The tokenizer's end of sequence and the model's generation config's (one id or a list)."""
-    eos = {lm.tokenizer.eos_token_id}
-    gen_eos = getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None)
-    eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-    return {e for e in eos if e is not None}
 
 
 class Engine(StepRunner, BackgroundRunner):
@@ -106,13 +87,7 @@ class Engine(StepRunner, BackgroundRunner):
                                 safety=cfg.slo.safety, shed_late=cfg.engine.shed_late, log=decision_log)
         self.core.on_job_end = self._job_ended
         self.telemetry = Telemetry()
-        self.shadow = ShadowAdapter(self.layers, lm.device, lm.dtype, retain=cfg.adapters.retain)
-        adapter = TrainableAdapter(self.layers, lm.device, seed=seed)
-        self.initial_state = adapter.state_dict_peft()  # identical on every edge: the round-1 start
-        self.timeline = open_timeline(cfg.engine.timeline)
-        if self.timeline is not None:
-            self.shadow.observer = lambda **kw: self.timeline.record("publish", **kw)
-        self.shadow.publish(self.initial_state, 0, source="initial")  # B = 0: the base model
+        adapter = self._set_up_adapters(seed)
         self.trainer: LocalTrainer | None = None
         self.holdout: list = []
         if data is not None:
@@ -128,6 +103,20 @@ class Engine(StepRunner, BackgroundRunner):
         self._thread: threading.Thread | None = None
         self.failure: str | None = None  # set if the loop dies; /health then answers 503
         self.on_failure: list[Callable[[str], None]] = []  # called once, from the dying loop thread
+
+    def _set_up_adapters(self, seed: int) -> TrainableAdapter:
+        """The shadow adapter serving the initial state (B = 0: the base model), the trainable adapter
+        that state comes from (identical on every edge: the round-1 start), and the timeline, which
+        records every publish from the first."""
+        lm = self.lm
+        self.shadow = ShadowAdapter(self.layers, lm.device, lm.dtype, retain=self.cfg.adapters.retain)
+        adapter = TrainableAdapter(self.layers, lm.device, seed=seed)
+        self.initial_state = adapter.state_dict_peft()
+        self.timeline = open_timeline(self.cfg.engine.timeline)
+        if self.timeline is not None:
+            self.shadow.observer = lambda **kw: self.timeline.record("publish", **kw)
+        self.shadow.publish(self.initial_state, 0, source="initial")
+        return adapter
 
     def _set_up_training(self, data: EdgeData, adapter: TrainableAdapter, seed: int) -> None:
         """The edge's training and holdout examples, and the trainer on the serving model's own layers."""
