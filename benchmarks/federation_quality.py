@@ -24,7 +24,9 @@ Mixed ranks (issue #35; edges of ranks 4, 8 and 16, alpha = 2 x rank so every ed
                serves its own-rank fit of the global (the share of its energy kept is recorded);
 * mixed-pad    ranks 4/8/16, the naive alternative: factors zero-padded to 16 and averaged, each edge
                takes the first r rows of A and columns of B (not exact: the HetLoRA-style baseline
-               without its self-pruning).
+               without its self-pruning);
+* product-nf4  product at rank 8 with the middle edge's base in nf4 (bitsandbytes; it trains QLoRA and
+               evaluates, as it serves, on its 4-bit base) among two float edges.
 
 They also record, per edge and round, the training seconds and the bytes on the wire (the global it
 is sent at the server's rank, the update it sends at its own).
@@ -34,6 +36,7 @@ SuperLink). About 5 minutes per variant on 2 cores with the defaults.
 
     python benchmarks/federation_quality.py --rounds 5 --tokens 1500
     python benchmarks/federation_quality.py --variants fedavg,product,mixed,mixed-pad
+    python benchmarks/federation_quality.py --variants product,product-nf4
 """
 
 from __future__ import annotations
@@ -119,7 +122,8 @@ def run_variant(name: str, args, clip: float | None, z: float) -> dict:
             "noise_multiplier": z if dp else None, "wall_s": time.time() - t0}
 
 
-RANKED = {"product": (8, 8, 8), "mixed": (4, 8, 16), "mixed-pad": (4, 8, 16)}
+RANKED = {"product": (8, 8, 8), "mixed": (4, 8, 16), "mixed-pad": (4, 8, 16), "product-nf4": (8, 8, 8)}
+QUANTIZED = {"product-nf4": {1: "nf4"}}  # variant -> {edge index: its base's precision} (the others float)
 
 
 def _nbytes(state: dict) -> int:
@@ -142,6 +146,8 @@ def run_ranked(name: str, args) -> dict:
     ranks = RANKED[name]
     server_r, server_alpha = max(ranks), 2.0 * max(ranks)
     cfgs = [edge_cfg(i, args.eval_records, rank) for i, rank in zip(range(1, 4), ranks)]
+    for k, q in QUANTIZED.get(name, {}).items():  # its base in 4-bit: it trains QLoRA and serves on that base
+        cfgs[k] = cfgs[k].model_copy(update={"model": cfgs[k].model.model_copy(update={"quantization": q})})
     engines = [Engine(load_model(c.model), c, load_edge_data(c.data)).start() for c in cfgs]
     names = [e.cfg.name for e in engines]
     pool = ThreadPoolExecutor(len(engines))
