@@ -67,19 +67,24 @@ def shape(e: dict) -> str:
     return f"{e['job']} {e['unit']} (per 1k tokens)"
 
 
-def groups(mode_dir: Path) -> dict[str, dict[str, list[float]]]:
-    """shape -> neighbour state -> durations (steps in ms; units in ms per 1,000 tokens)."""
+def paired(mode_dir: Path) -> list[tuple[list[dict], Busy]]:
+    """Each replica's events with its neighbour's busy intervals (a two-replica mode folder; else [])."""
     files = sorted(mode_dir.glob("timeline-*.jsonl"))
     if len(files) != 2:
-        return {}
+        return []
     events = [read_timeline(f) for f in files]
     busy = [Busy(ev) for ev in events]
+    return [(events[0], busy[1]), (events[1], busy[0])]
+
+
+def groups(mode_dir: Path) -> dict[str, dict[str, list[float]]]:
+    """shape -> neighbour state -> durations (steps in ms; units in ms per 1,000 tokens)."""
     out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for me, other in ((0, 1), (1, 0)):
-        for e in events[me]:
+    for events, other in paired(mode_dir):
+        for e in events:
             if e["ev"] not in ("step", "unit"):
                 continue
-            st = busy[other].state(e["t"], e["t"] + e["s"])
+            st = other.state(e["t"], e["t"] + e["s"])
             if st is None:
                 continue
             out[shape(e)][st].append(1000 * e["s"] if e["ev"] == "step" else 1e6 * e["s"] / max(e["tok"], 1))

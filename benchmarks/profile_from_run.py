@@ -26,23 +26,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interference import Busy, groups, settings  # noqa: E402
+from interference import groups, paired, settings  # noqa: E402
 
 from collm.common.step_cost import KV_UNIT  # noqa: E402
-from collm.edge_client.engine.timeline import read_timeline  # noqa: E402
 from collm.sim.profile import PROFILE_DIR  # noqa: E402
 
 MAX_SAMPLES = 6000  # the profile's step samples (every k-th step beyond that)
-
-
-def paired(folder: Path) -> list[tuple[list[dict], Busy]]:
-    """Each replica's events with its neighbour's busy intervals (a two-replica mode folder)."""
-    files = sorted(folder.glob("timeline-*.jsonl"))
-    if len(files) != 2:
-        return []
-    events = [read_timeline(f) for f in files]
-    busy = [Busy(e) for e in events]
-    return [(events[0], busy[1]), (events[1], busy[0])]
 
 
 def folders(run: Path, mode: str) -> list[Path]:

@@ -44,6 +44,7 @@ def row_of(x) -> dict:
 # What a row without a fresh scrape says about the edge's load (only the router's own counts stay):
 # an EdgeView's defaults in the load columns. FleetTable's stale rows, and collm-sim's.
 UNSCRAPED = {col: v for col, v in row_of(EdgeView("", 0)).items() if COLUMN_FIELDS.get(col) in LOAD_FIELDS}
+ROW_KEYS = tuple(row_of(EdgeView("", 0)))  # a row's columns (Columns' fields but names, outstanding, unused)
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,7 @@ class Columns:
 def columns_from_views(views: list[EdgeView]) -> Columns:
     """The columns of a list of views (tests, benchmarks, collm-sim's first rows)."""
     rows = [row_of(v) for v in views]
-    cols = {k: np.array([r[k] for r in rows], bool if k == "training" else float) for k in rows[0]} if rows else \
-        {k: np.array([], bool if k == "training" else float) for k in row_of(EdgeView("", 0))}
+    cols = {k: np.array([r[k] for r in rows], bool if k == "training" else float) for k in ROW_KEYS}
     return Columns([v.name for v in views], np.array([v.outstanding for v in views], float),
                    unused=np.array([v.unused_s for v in views], float), **cols)
 

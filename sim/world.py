@@ -237,7 +237,7 @@ class World(FederationRounds):
             EdgeView(e.name, 0, max_running=e.p.max_running, step_coef=e.p.belief(), ttft_target_s=self.slo.ttft_s,
                      tpot_target_s=self.slo.tpot_s, step_token_budget=e.p.step_token_budget,
                      slo_safety=self.cfg.slo_safety) for e in self.serving])
-        self.scr = {k: getattr(first, k) for k in fleet.row_of(EdgeView("", 0))}
+        self.scr = {k: getattr(first, k) for k in fleet.ROW_KEYS}
         self.scraped_at = np.full(S, -np.inf)
         self.shards = min(self.cfg.router.shards, max(S, 1))
         self._shard_rows = [np.arange(k, S, self.shards) for k in range(self.shards)]
