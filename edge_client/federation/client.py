@@ -28,7 +28,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 from flwr.common.constant import ErrorCode
 from flwr.clientapp import ClientApp
 
+from collm.common import lora_rank
 from collm.common import protocol as P
+from collm.common.adapter_io import check_compatible, load_adapter
+from collm.common.errors import UserError
+from collm.common.rounds import latest_complete_round, round_dir
 from collm.common.run_proof import PROOF_KEY
 from collm.common.run_proof import refusal as run_refusal
 from collm.edge_client.federation.canary import canary_verdict
@@ -304,10 +308,6 @@ class EdgeFederation:
     def catch_up(self, checkpoint_dir: str) -> int | None:
         """Serve the latest complete round's global adapter from `checkpoint_dir` if it is newer than
         what this edge serves (a restarted edge must not serve a stale version until its next round)."""
-        from collm.common.adapter_io import check_compatible, load_adapter
-        from collm.common.errors import UserError
-        from collm.common.rounds import latest_complete_round, round_dir
-
         r = latest_complete_round(checkpoint_dir)
         engine = self.rt.engine
         if r <= self.rt.latest_round:
@@ -327,10 +327,6 @@ class EdgeFederation:
 
     def _at_own_rank(self, state: dict, adapter_cfg: dict) -> dict:
         """A checkpoint of another rank (a mixed-rank federation) fitted to this edge's `lora.r`."""
-        from collm.common import lora_rank
-        from collm.common.adapter_io import check_compatible
-        from collm.common.errors import UserError
-
         try:
             rank = lora_rank.rank_of({k: v.numpy() for k, v in state.items()})
         except ValueError as e:
