@@ -138,9 +138,7 @@ class Router(EdgeProxy):
         return sum(e.healthy for e in self.edges)
 
     def assumptions(self) -> Assumptions:
-        r = self.cfg.routing
-        return Assumptions(r.step_token_budget, r.edge_slo_safety, self.typical_output, r.tie_margin, r.comfort,
-                           r.probe_after_s, r.pack_slack, r.pack_spare)
+        return self.cfg.routing.assumptions(self.typical_output)
 
     def pick(self, x: RequestView, exclude: list[str]) -> tuple[EdgeState, Decision, Estimate] | None:
         """The edge for request x among the healthy ones not tried yet (cooling-down ones last)."""

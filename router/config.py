@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from collm.common.auth import AuthConfig, KeySource
 from collm.common.config import ServerTls, Strict
 from collm.common.slo import SLO
+from collm.router.policy import Assumptions
 
 
 class EdgeEndpoint(Strict):
@@ -95,6 +96,16 @@ class RoutingConfig(Strict):
     @property
     def default_slo(self) -> SLO:
         return SLO.from_ms(self.default_ttft_ms, self.default_tpot_ms)
+
+    def assumptions(self, typical_output_tokens: float | None = None) -> Assumptions:
+        """The rule's assumptions from these settings, each field by name (the router and collm-sim
+        both build them here; a positional call once put probe_after_s into pack_slack)."""
+        return Assumptions(
+            step_token_budget=self.step_token_budget, slo_safety=self.edge_slo_safety,
+            typical_output_tokens=float(self.typical_output_tokens if typical_output_tokens is None
+                                        else typical_output_tokens),
+            tie_margin=self.tie_margin, comfort=self.comfort, pack_slack=self.pack_slack,
+            pack_spare=self.pack_spare, probe_after_s=self.probe_after_s)
 
 
 class ProxyConfig(Strict):

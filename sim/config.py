@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from collm.common.config import Strict
+from collm.router.config import RoutingConfig
 from collm.edge_client.config import FeedbackConfig
 from collm.lab.bench_config import (MODES, CapacityConfig, FederationBudget, LoadConfig, Mode, TraceConfig,
                                     check_modes)
@@ -78,6 +79,9 @@ class InterferenceConfig(Strict):
         "state beside the weights) than in serve-only")
 
 
+_ROUTING = RoutingConfig()  # the router's defaults
+
+
 class RouterSim(Strict):
     """The router's settings the simulation uses (router/config.py's defaults)."""
 
@@ -87,6 +91,9 @@ class RouterSim(Strict):
                         "the edges; arrivals go to them in turn (a front load balancer)")
     admission: bool = True
     admission_margin: float = Field(1.0, ge=1.0)
+    probe_after_s: float = Field(_ROUTING.probe_after_s, gt=0, description="routing.probe_after_s")
+    pack_slack: float = Field(_ROUTING.pack_slack, ge=0, le=1, description="routing.pack_slack (slo_pack)")
+    pack_spare: float = Field(_ROUTING.pack_spare, ge=0, le=1, description="routing.pack_spare (slo_pack)")
     prompt_overhead_tokens: int = Field(10, ge=0, description="tokens the chat template adds to a trace prompt "
                                         "(the edge sees them, the router estimates 8)")
 

@@ -38,8 +38,8 @@ from collm.edge_client.config import TrainingConfig
 from collm.edge_client.engine.co_schedule import make_policy
 from collm.lab.bench_config import edge_policy, is_collm, mode_roles, router_policy
 from collm.router import fleet
-from collm.router.config import HealthConfig
-from collm.router.policy import Assumptions, EdgeView, RequestView, unattainable
+from collm.router.config import HealthConfig, RoutingConfig
+from collm.router.policy import EdgeView, RequestView, unattainable
 from collm.sim.config import SimConfig
 from collm.sim.edge import SimEdge, SimRequest
 from collm.sim.profile import EdgeProfile
@@ -112,9 +112,11 @@ class World(FederationRounds):
         self.serving = [e for e in self.edges if e.serves]
         self.trainers = [e for e in self.edges if e.trains]
         self.policy = router_policy(mode, cfg.collm_routing)
-        self.counter = 0
         r = cfg.router
-        self.assumptions = Assumptions(slo_safety=cfg.slo_safety)
+        self.counter = 0
+        self.assumptions = RoutingConfig(  # what collm-router assumes, with the sim's edge safety
+            edge_slo_safety=cfg.slo_safety, probe_after_s=r.probe_after_s, pack_slack=r.pack_slack,
+            pack_spare=r.pack_spare).assumptions()
         S = len(self.serving)
         self._init_columns()
         per_router = math.ceil(S / self.shards) if S else 0  # each router polls its own edges

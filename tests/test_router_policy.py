@@ -257,3 +257,23 @@ def test_slo_pack_gathers_a_light_load_on_one_edge_and_spreads_once_it_lacks_roo
     full = replace(serving, spare_capacity=0.2)  # serving 80% of its time: no room to gather more
     assert Counter(choose("slo_pack", [full, empty], X, random.Random(s)).edge for s in range(50)) == {"empty": 50}
     assert choose("slo_pack", [serving, empty], X, random.Random(0)).why == "pack among 2"
+
+
+def test_the_routers_settings_reach_the_rule_by_name():
+    """Every routing setting arrives in the rule's Assumptions under its own name, in the router
+    process (a positional call once gave pack_slack the probe interval, 5 s, so
+    slo_pack never gathered, and probed idle edges after pack_spare's 0.3 s)."""
+    from collm.common.config import validate_config
+    from collm.router.app import create_app
+    from collm.router.config import RouterConfig
+
+    routing = dict(step_token_budget=128, edge_slo_safety=0.7, typical_output_tokens=20, tie_margin=0.02,
+                   comfort=0.4, probe_after_s=7.0, pack_slack=0.55, pack_spare=0.05, policy="slo_pack")
+    cfg = validate_config(RouterConfig, {"edges": [{"name": "e0", "url": "http://127.0.0.1:1"}],
+                                         "routing": routing}, "test")
+    a = create_app(cfg).state.router.assumptions()
+    assert (a.step_token_budget, a.slo_safety, a.typical_output_tokens, a.tie_margin, a.comfort, a.probe_after_s,
+            a.pack_slack, a.pack_spare) == (128, 0.7, 20.0, 0.02, 0.4, 7.0, 0.55, 0.05)
+    serving, empty = idle("serving", running=1, spare_capacity=0.1), idle("empty", spare_capacity=1.0)
+    assert choose("slo_pack", [serving, empty], X, random.Random(0), a=a).edge == "serving"  # spare 0.1 >= 0.05
+

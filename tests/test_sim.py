@@ -308,3 +308,14 @@ def test_device_classes_take_their_precision_rank_and_uplink():
         return w.rounds[0].aggregated_at
 
     assert first_aggregation(5.0) == pytest.approx(first_aggregation(0.0) + 5.0)
+
+
+def test_the_simulated_router_assumes_what_collm_router_assumes():
+    """collm-sim's router builds the rule's Assumptions from collm-router's own RoutingConfig: its
+    defaults (probe an idle edge after 5 s, not never) and the sim's router settings by name."""
+    from collm.router.config import RoutingConfig
+    default = world(cfg(slo_safety=0.7), "collm").assumptions
+    assert default == RoutingConfig(edge_slo_safety=0.7).assumptions()
+    assert default.probe_after_s == RoutingConfig().probe_after_s == 5.0
+    a = world(cfg(router={"probe_after_s": 7.0, "pack_slack": 0.55, "pack_spare": 0.05}), "collm").assumptions
+    assert (a.probe_after_s, a.pack_slack, a.pack_spare) == (7.0, 0.55, 0.05)
