@@ -13,6 +13,8 @@ and load point, those shares for the requests that met their SLOs and for those 
 requests that reached a replica and got a first token: a refusal has no life on a replica), and how
 much slower the replica's steps were than its median step of the same shape over the whole run (a
 neighbour on shared memory bandwidth, or a process on its core, shows up there, not as training).
+Then, per load point, pass and replica, the shares of the point's window each replica spent in
+serving steps, training units, evaluation units and neither (where the replicas' time went).
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def pass_points(point: dict) -> list[dict]:
     if left:  # every pass replays the same arrivals; anything else cannot be split back into passes
         raise ValueError(f"a {point['fraction']:g}x point pools {len(point['outcomes'])} requests over {len(per)} "
                          "passes of unequal size")
-    return [{"fraction": point["fraction"], "started_at": q["started_at"],
+    window = point.get("window_s") and point["window_s"] / len(per)  # pooled: the passes' equal windows summed
+    return [{"fraction": point["fraction"], "started_at": q["started_at"], "window_s": window,
              "outcomes": point["outcomes"][k * n:(k + 1) * n], "slo_met": point["slo_met"][k * n:(k + 1) * n]}
             for k, q in enumerate(per)]
 
@@ -138,6 +141,22 @@ def point_rows(loaded: list[tuple[list[dict], dict]]) -> list[dict]:
     return rows
 
 
+def replica_rows(loaded: list[tuple[list[dict], dict]]) -> list[dict]:
+    """Per load point, pass and replica: the shares of the point's window the replica spent in serving
+    steps, training units, evaluation units and neither (where its time went, whoever it served)."""
+    rows = []
+    for k, (points, timelines) in enumerate(loaded):
+        for p in points:
+            if not p.get("window_s"):
+                continue
+            t0 = p["started_at"]
+            for name, tl in timelines.items():
+                x = tl.split(t0, t0 + p["window_s"])
+                rows.append({"fraction": p["fraction"], "pass": k + 1, "replica": name,
+                             **{kind: x[kind] / p["window_s"] for kind in KINDS}})
+    return sorted(rows, key=lambda r: (r["fraction"], r["pass"], r["replica"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="a collm-bench output folder run with `timeline: true`")
@@ -164,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                     [[f"{r['fraction']:g}x", r["group"], r["n"], f"{r['step']:.2f}", f"{r['train']:.2f}",
                       f"{r['eval']:.2f}", f"{r['other']:.2f}", f"{r['life_s']:.2f}",
                       "-" if r["slowdown"] is None else f"{r['slowdown']:.2f}"] for r in rows]))
+        print(f"\n{mode}: share of each load point's window each replica spent in ...")
+        print(table(["load", "pass", "replica", "serving steps", "training units", "eval units", "neither"],
+                    [[f"{r['fraction']:g}x", r["pass"], r["replica"], f"{r['step']:.2f}", f"{r['train']:.2f}",
+                      f"{r['eval']:.2f}", f"{r['other']:.2f}"] for r in replica_rows(loaded)]))
     return 0
 
 

@@ -124,7 +124,7 @@ def test_every_replica_writes_a_timeline_that_accounts_for_its_requests(bench):
     served request's life into shares of what its replica did (steps, training, evaluation, neither)."""
     out, results = bench
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from timeline_report import KINDS, load_mode, point_rows
+    from timeline_report import KINDS, load_mode, point_rows, replica_rows
 
     for mode, r in results["modes"].items():
         loaded = load_mode(results, out, mode)
@@ -138,6 +138,14 @@ def test_every_replica_writes_a_timeline_that_accounts_for_its_requests(bench):
             assert 0 < row["step"] <= 1 and all(row[k] >= 0 for k in KINDS), (mode, row)
             if mode == "serve-only":
                 assert row["train"] == row["eval"] == 0, row
+        shares = replica_rows(loaded)  # each replica's whole window: every point, every replica
+        assert len(shares) == len(points) * len(timelines), mode
+        for row in shares:
+            assert sum(row[k] for k in KINDS) == pytest.approx(1.0), (mode, row)
+            assert "serve" in r["roles"][row["replica"]] or row["step"] == 0, (mode, row)  # a trainer never steps
+            assert mode != "serve-only" or row["train"] == row["eval"] == 0, row
+        for p in points:  # someone served each point
+            assert max(x["step"] for x in shares if x["fraction"] == p["fraction"]) > 0, (mode, p["fraction"])
 
     def train_units(mode):
         return sum(1 for _, tls in load_mode(results, out, mode) for tl in tls.values()
