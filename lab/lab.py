@@ -169,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"[lab] SuperLink on {superlink}; logs in {out / 'logs'}", flush=True)
         start_superlink(group, superlink, certs, edges)
-        joins = args.joins
-        urls = start_edges(group, edges, paths, joins, 600 if args.model == "bundled" else 120)
+        urls = start_edges(group, edges, paths, args.joins, 600 if args.model == "bundled" else 120)
         targets = [start_router(group, out, urls, keys)] if args.router else list(urls.values())
         if args.prometheus:
             prom = start_monitoring(group, out, urls, targets[0] if args.router else None, server_cfg.checkpoint_dir)
@@ -187,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         server_tls = ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
         server = group.spawn("server", [str(BIN_DIR / "collm-server"), *server_tls, "--superlink", superlink,
                                         "-c", f'config="{out / "server.yaml"}"'], nice=COORDINATOR_NICE)
-        schedule = Churn(joins, args.leaves, out / "checkpoints")
+        schedule = Churn(args.joins, args.leaves, out / "checkpoints")
         events = follow(group, server, paths, args.restart_edges, server_cfg.nodes_after_first_round, schedule)
         outcomes = [o for load in loads for o in load.stop()]
         rc = server.returncode

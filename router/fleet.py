@@ -26,9 +26,6 @@ from collm.router.policy import (COLUMN_FIELDS, LOAD_FIELDS, POLICIES, Assumptio
                                  RequestView)
 from collm.router.state import MIRRORED
 
-DEFAULT_COEF = EdgeView("", 0).step_coef  # what the rule assumes of an edge never scraped
-
-
 def _opt(v: float | None) -> float:
     return math.nan if v is None else float(v)
 
@@ -43,8 +40,9 @@ def row_of(x) -> dict:
 
 # What a row without a fresh scrape says about the edge's load (only the router's own counts stay):
 # an EdgeView's defaults in the load columns. FleetTable's stale rows, and collm-sim's.
-UNSCRAPED = {col: v for col, v in row_of(EdgeView("", 0)).items() if COLUMN_FIELDS.get(col) in LOAD_FIELDS}
-ROW_KEYS = tuple(row_of(EdgeView("", 0)))  # a row's columns (Columns' fields but names, outstanding, unused)
+_DEFAULT_ROW = row_of(EdgeView("", 0))
+UNSCRAPED = {col: v for col, v in _DEFAULT_ROW.items() if COLUMN_FIELDS.get(col) in LOAD_FIELDS}
+ROW_KEYS = tuple(_DEFAULT_ROW)  # a row's columns (Columns' fields but names, outstanding, unused)
 
 
 @dataclass(frozen=True)

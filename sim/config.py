@@ -12,10 +12,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from collm.common.config import Strict
-from collm.router.config import RoutingConfig
 from collm.edge_client.config import FeedbackConfig
 from collm.lab.bench_config import (MODES, CapacityConfig, FederationBudget, LoadConfig, Mode, TraceConfig,
                                     check_modes)
+from collm.router.config import RoutingConfig
 
 
 class DeviceClass(Strict):

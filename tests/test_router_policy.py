@@ -276,4 +276,3 @@ def test_the_routers_settings_reach_the_rule_by_name():
             a.pack_slack, a.pack_spare) == (128, 0.7, 20.0, 0.02, 0.4, 7.0, 0.55, 0.05)
     serving, empty = idle("serving", running=1, spare_capacity=0.1), idle("empty", spare_capacity=1.0)
     assert choose("slo_pack", [serving, empty], X, random.Random(0), a=a).edge == "serving"  # spare 0.1 >= 0.05
-

@@ -18,8 +18,8 @@ log = logging.getLogger("collm.engine")
 
 
 class BackgroundRunner:
-    """Needs the engine's `core`, `policy`, `costs`, `telemetry`, `timeline`, `device`, `clock`, `_lock`
-    and `_incoming`."""
+    """Needs the engine's `core`, `policy`, `costs`, `telemetry`, `timeline`, `device`, `clock`, `_lock`,
+    `_incoming` and `_share_seen`."""
 
     def _run_background(self) -> bool:
         """Run background work the rule admits: in idle time one unit (the loop then looks for arrivals);

@@ -58,7 +58,7 @@ from collm.edge_client.training.layerwise import ModelParts
 from collm.edge_client.training.trainer import LocalTrainer
 
 __all__ = ["AdmittedEvent", "Engine", "EngineError", "EngineFailed", "FinishEvent", "PromptTooLong", "QueueFull",
-           "Request", "ShuttingDown", "TokenEvent", "plan_kv"]
+           "Request", "ShuttingDown", "TokenEvent"]
 
 log = logging.getLogger("collm.engine")
 
