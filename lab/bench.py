@@ -88,12 +88,13 @@ class ModeRun:
             self.edges.append(edge_config(
                 cfg.model, name, out, categories=parts[i],
                 superlink=self.superlink if "train" in role else None,
-                overrides=deep_merge(deep_merge(cfg.edge, variant_of(mode, cfg.variants).edge), {
+                overrides=deep_merge(deep_merge(cfg.edge, {
                     "slo": {"ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms}, "training": training,
                     "model": {"cpu_affinity": cores, "threads": len(cores)},
                     **({"engine": {"timeline": str(out / f"timeline-{name}.jsonl")}} if cfg.timeline else {}),
                     "api": {"admin": mode == "isolated" and role == "serve", "adapter_dir": str(out / "checkpoints")},
-                    "auth": {"admin_tokens": {"keys": [self.admin_token]}}})))
+                    "auth": {"admin_tokens": {"keys": [self.admin_token]}}}),
+                    variant_of(mode, cfg.variants).edge)))  # last: a variant may change what the bench sets
         self.urls = {e.name: edge_url(e) for e in self.edges}
         self.reloads: list[dict] = []
         self._stop = threading.Event()

@@ -245,3 +245,17 @@ def test_a_collm_variant_is_named_by_config_and_compared_with_collm_and_the_base
     assert ("collm-noadmit", "collm") in ratio_pairs(["serve-only", "collm", "collm-noadmit"])
     with pytest.raises(ValidationError, match="collm-pack' is not a mode.*named: collm-noadmit"):
         BenchConfig.model_validate({"modes": ["collm-pack"], "variants": {"noadmit": {}}})
+
+
+def test_a_variants_edge_settings_win_over_what_the_bench_sets(tmp_path):
+    """The bench sets training.max_eval_records (and co_schedule, busy_share) on every edge; a variant that
+    changes one of them must reach its edges, and only its edges (it used to be merged first and lost)."""
+    from collm.lab.bench import ModeRun
+
+    cfg = BenchConfig.model_validate({"modes": ["collm", "collm-eval4"], "federation": {"eval_records": 8},
+                                      "variants": {"eval4": {"edge": {"training": {"max_eval_records": 4}}}}})
+    variant = ModeRun(cfg, "collm-eval4", tmp_path / "v")
+    plain = ModeRun(cfg, "collm", tmp_path / "c")
+    assert [e.training.max_eval_records for e in variant.edges] == [4, 4]
+    assert [e.training.max_eval_records for e in plain.edges] == [8, 8]
+    assert variant.edges[0].training.co_schedule == cfg.co_schedule  # the rest of what the bench sets stays
