@@ -39,7 +39,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,8 +48,7 @@ from collm.common.config import deep_merge, load_config  # noqa: E402
 from collm.common.stats import ratio_ci  # noqa: E402
 from collm.lab.bench import ModeRun, Workload, find_capacity, interrupt_on_signal, measure  # noqa: E402
 from collm.lab.bench_config import BenchConfig  # noqa: E402
-from collm.common.procs import BIN_DIR  # noqa: E402
-from collm.lab.topology import free_port, wait_http  # noqa: E402
+from collm.lab.topology import start_router  # noqa: E402
 
 EDGE_VARIANTS = {"default": {},  # the edges as they ship
                  "no-shed": {"engine": {"shed_late": False}}}  # edges that serve every request, however late
@@ -64,15 +62,9 @@ def start_routers(run: ModeRun, margin: float, tag: str = "") -> dict[str, str]:
     urls = {}
     for name, routing in VARIANTS.items():
         routing = {**routing, "admission_margin": margin} if routing.get("admission") else routing
-        port = free_port()
-        cfg = {"api": {"host": "127.0.0.1", "port": port}, "routing": routing,
-               "edges": [{"name": e.name, "url": run.urls[e.name]} for e in run.edges]}
-        label = f"router-{tag}{name.replace('+', '-')}"
-        path = run.out / f"{label}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        run.group.spawn(label, [str(BIN_DIR / "collm-router"), "--config", str(path)])
-        urls[name] = f"http://127.0.0.1:{port}"
-        wait_http(urls[name] + "/health", run.group, 60, f"router {name}")
+        urls[name] = start_router(run.group, run.out, {e.name: run.urls[e.name] for e in run.edges},
+                                  {"routing": routing}, what=f"router {name}",
+                                  label=f"router-{tag}{name.replace('+', '-')}")
     return urls
 
 

@@ -55,7 +55,7 @@ from collm.lab.bench_quality import QualityJudge, served_loss_timeline
 from collm.lab.bench_workload import Workload, window_of
 from collm.lab.loadgen import Outcome, Planned, replay, summarize
 from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
-                                prepare_out, replica_cores, wait_http, write_config)
+                                prepare_out, replica_cores, start_router, wait_http, write_config)
 from collm.router.state import parse_prometheus
 from collm.server.config import round_timeout_for
 from collm.common.rounds import complete_rounds, read_status
@@ -115,15 +115,9 @@ class ModeRun:
         for name, url in self.urls.items():
             wait_http(url + "/health", g, 900 if self.cfg.model == "bundled" else 120, f"edge {name}")
         serving = [e for e, role in zip(self.edges, self.roles) if "serve" in role]
-        router_port = free_port()
-        rcfg = deep_merge({"routing": {"policy": router_policy(self.mode, self.cfg.collm_routing)}},
-                          variant_of(self.mode, self.cfg.variants).router)
-        rcfg.update({"api": {"host": "127.0.0.1", "port": router_port},
-                     "edges": [{"name": e.name, "url": self.urls[e.name]} for e in serving]})
-        (self.out / "router.yaml").write_text(yaml.safe_dump(rcfg))
-        g.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(self.out / "router.yaml")])
-        self.router = f"http://127.0.0.1:{router_port}"
-        wait_http(self.router + "/health", g, 60, "collm-router")
+        routing = deep_merge({"routing": {"policy": router_policy(self.mode, self.cfg.collm_routing)}},
+                             variant_of(self.mode, self.cfg.variants).router)
+        self.router = start_router(g, self.out, {e.name: self.urls[e.name] for e in serving}, routing)
         served = httpx.get(self.router + "/v1/models").json()["data"][0]  # the default: the global adapter
         self.model_id, self.base_model = served["id"], served.get("root") or served["id"]
         if self.trains:

@@ -186,7 +186,7 @@ class SelfTopology:
         from pathlib import Path
 
         from collm.common.procs import BIN_DIR
-        from collm.lab.topology import ProcessGroup, edge_config, edge_url, free_port, wait_http, write_config
+        from collm.lab.topology import ProcessGroup, edge_config, edge_url, start_router, wait_http, write_config
 
         self.out = Path(tempfile.mkdtemp(prefix="collm-fuzz-"))
         self.group = ProcessGroup(self.out)
@@ -196,12 +196,7 @@ class SelfTopology:
                                                                                            cfg))])
         self.edge_url = edge_url(cfg)
         wait_http(self.edge_url + "/health", self.group, 120, "the fuzzed edge")
-        port = free_port()
-        (self.out / "router.yaml").write_text(json.dumps({"api": {"host": "127.0.0.1", "port": port},
-                                                          "edges": [{"name": "fuzz-edge", "url": self.edge_url}]}))
-        self.group.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(self.out / "router.yaml")])
-        self.router_url = f"http://127.0.0.1:{port}"
-        wait_http(self.router_url + "/health", self.group, 60, "the fuzzed router")
+        self.router_url = start_router(self.group, self.out, {"fuzz-edge": self.edge_url}, what="the fuzzed router")
         return self
 
     def stop(self) -> None:

@@ -63,7 +63,7 @@ from collm.lab.lab_cli import build_parser, check_args
 from collm.lab.lab_follow import Churn, follow
 from collm.lab.monitoring import start_monitoring
 from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
-                                prepare_out, wait_http, write_config)
+                                prepare_out, start_router, wait_http, write_config)
 from collm.server.config import ServerConfig, round_timeout_for
 
 PROMPTS = ["What is the capital of France?", "Give me three tips for a good night's sleep.",
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[lab] SuperLink on {superlink}; logs in {out / 'logs'}", flush=True)
         start_superlink(group, superlink, certs, edges)
         urls = start_edges(group, edges, paths, args.joins, 600 if args.model == "bundled" else 120)
-        targets = [start_router(group, out, urls, keys)] if args.router else list(urls.values())
+        targets = [lab_router(group, out, urls, keys)] if args.router else list(urls.values())
         if args.prometheus:
             prom = start_monitoring(group, out, urls, targets[0] if args.router else None, server_cfg.checkpoint_dir)
             print(f"[lab] Prometheus: {prom} (alerts: {prom}/alerts; round exporter: logs/server-metrics.log)",
@@ -237,17 +237,10 @@ def start_edges(group: ProcessGroup, edges: list[EdgeConfig], paths: dict[str, P
     return urls
 
 
-def start_router(group: ProcessGroup, out: Path, urls: dict[str, str], keys: dict[str, Path] | None) -> str:
-    """collm-router in front of every edge; its URL."""
-    router_port = free_port()
-    rcfg = {"api": {"host": "127.0.0.1", "port": router_port},
-            "edges": [{"name": n, "url": u} for n, u in urls.items()]}
-    if keys:
-        rcfg.update(auth={"api_keys": {"file": str(keys["client"])}}, edge_key={"file": str(keys["router"])})
-    (out / "router.yaml").write_text(json.dumps(rcfg))
-    group.spawn("router", [str(BIN_DIR / "collm-router"), "--config", str(out / "router.yaml")])
-    url = f"http://127.0.0.1:{router_port}"
-    wait_http(url + "/health", group, 60, "collm-router")
+def lab_router(group: ProcessGroup, out: Path, urls: dict[str, str], keys: dict[str, Path] | None) -> str:
+    """collm-router in front of every edge (with the lab's keys when it has them); its URL."""
+    auth = {"auth": {"api_keys": {"file": str(keys["client"])}}, "edge_key": {"file": str(keys["router"])}} if keys else {}
+    url = start_router(group, out, urls, auth)
     print(f"[lab] router: {url}", flush=True)
     return url
 

@@ -168,6 +168,24 @@ def wait_http(url: str, group: ProcessGroup, timeout: float, what: str, ca: Path
     raise UserError(f"{what} did not become ready within {timeout:.0f} s (see {group.out / 'logs'})")
 
 
+def start_router(group: ProcessGroup, out: Path, edges: dict[str, str], settings: dict | None = None,
+                 what: str = "collm-router", label: str = "router") -> str:
+    """collm-router on a free loopback port in front of `edges` (name: URL), with `settings` merged into its
+    config (routing, auth, edge_key); its URL once /health answers. Its process and its config,
+    OUT/<label>.yaml, are named `label`."""
+    from collm.common.procs import BIN_DIR
+
+    port = free_port()
+    cfg = {**(settings or {}), "api": {"host": "127.0.0.1", "port": port},
+           "edges": [{"name": n, "url": u} for n, u in edges.items()]}
+    path = out / f"{label}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    group.spawn(label, [str(BIN_DIR / "collm-router"), "--config", str(path)])
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", group, 60, what)
+    return url
+
+
 def prepare_out(out: Path, overwrite: bool) -> Path:
     """`out` as a fresh folder for a run, never deleting anything the user did not ask to lose.
 

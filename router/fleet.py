@@ -30,10 +30,16 @@ def _opt(v: float | None) -> float:
     return math.nan if v is None else float(v)
 
 
+def dtype_of(col: str) -> type:
+    """A column's array type, decided here only: `training` says yes or no, every other column (the step
+    cost's c0..c3 too) is a number, NaN where unknown."""
+    return bool if col == "training" else float
+
+
 def row_of(x) -> dict:
     """One row of the columns from an EdgeView or a router Scrape (same field names; None: NaN),
     through the declared `policy.COLUMN_FIELDS`."""
-    row = {col: bool(getattr(x, f)) if col == "training" else _opt(getattr(x, f)) for col, f in COLUMN_FIELDS.items()}
+    row = {col: bool(getattr(x, f)) if dtype_of(col) is bool else _opt(getattr(x, f)) for col, f in COLUMN_FIELDS.items()}
     row.update({f"c{i}": float(c) for i, c in enumerate(x.step_coef)})
     return row
 
@@ -75,7 +81,7 @@ class Columns:
 def columns_from_views(views: list[EdgeView]) -> Columns:
     """The columns of a list of views (tests, benchmarks, collm-sim's first rows)."""
     rows = [row_of(v) for v in views]
-    cols = {k: np.array([r[k] for r in rows], bool if k == "training" else float) for k in ROW_KEYS}
+    cols = {k: np.array([r[k] for r in rows], dtype_of(k)) for k in ROW_KEYS}
     return Columns([v.name for v in views], np.array([v.outstanding for v in views], float),
                    unused=np.array([v.unused_s for v in views], float), **cols)
 
@@ -191,7 +197,7 @@ class FleetTable:
         self.at = np.full(N, -np.inf)
         self.blank = row_of(EdgeView(  # a row never scraped: the router's defaults (EdgeState.view with no scrape)
             "", 0, max_running=default_max_running, ttft_target_s=ttft_target_s, tpot_target_s=tpot_target_s))
-        self.data = {k: np.full(N, v, dtype=bool if isinstance(v, bool) else float) for k, v in self.blank.items()}
+        self.data = {k: np.full(N, v, dtype=dtype_of(k)) for k, v in self.blank.items()}
         for i, e in enumerate(edges):
             self.attach(i, e)
 

@@ -73,10 +73,10 @@ def probe_keys(out: Path, proc) -> dict:
         if (out / "router.yaml").is_file() and (out / "keys" / "client.key").is_file():
             try:
                 edge = f"http://127.0.0.1:{yaml.safe_load((out / 'edge1.yaml').read_text())['api']['port']}"
-                router = f"http://127.0.0.1:{json.loads((out / 'router.yaml').read_text())['api']['port']}"
+                router = f"http://127.0.0.1:{yaml.safe_load((out / 'router.yaml').read_text())['api']['port']}"
                 if httpx.get(router + "/health", timeout=5).status_code == 200:
                     break
-            except (httpx.HTTPError, OSError, KeyError):
+            except (httpx.HTTPError, OSError, KeyError, TypeError, yaml.YAMLError):  # a file still being written
                 pass
         time.sleep(0.5)
     else:

@@ -45,7 +45,7 @@ class BackgroundRunner:
                             job.report.deferrals += 1
                             self.telemetry.record_deferral()
                         return ran
-                now = self._run_unit(job, unit, verdict, load)
+                now = self._run_unit(job, unit, verdict, beside_serving=not load.idle)
                 ran = True
                 if core.after_units(job, now) or core.ending:
                     return True  # it ended (or ends at the next pass: shutdown)
@@ -60,9 +60,10 @@ class BackgroundRunner:
                 core.job = None
             return False
 
-    def _run_unit(self, job: BackgroundJob, unit, verdict, load) -> float:
+    def _run_unit(self, job: BackgroundJob, unit, verdict, beside_serving: bool) -> float:
         """Run one unit and account for it (timeline, cost models, telemetry, the core, the job's
-        report); the clock after it."""
+        report; `beside_serving`: requests were running or waiting when the rule admitted it); the clock
+        after it."""
         t0 = self.clock()
         completed_tokens = job.run_unit()
         if self.device.type == "cuda":
@@ -73,7 +74,7 @@ class BackgroundRunner:
             self.timeline.record("unit", t=time.time() - dt, s=dt, job=job.kind,
                                  unit=unit.kind, tok=unit.tokens, why=verdict.reason)
         self.costs.observe_unit(job.kind, unit.kind, unit.tokens, dt)
-        self.telemetry.record_background(job.kind, dt, completed_tokens, beside_serving=not load.idle)
+        self.telemetry.record_background(job.kind, dt, completed_tokens, beside_serving=beside_serving)
         self.core.ran(verdict, dt)
         job.report.compute_seconds += dt
         job.pass_s += dt
