@@ -1,8 +1,9 @@
 """Measure this replica's costs before it serves, so the first decisions are informed.
 
-It times, on this machine and through the real code paths: prefill steps of two sizes, decode
-steps of batch 1..4, and every unit of one training and one evaluation micro-batch (the real
-`LayerwisePass`, its gradients dropped). Each shape runs several times and the fastest counts:
+It picks the serving matmul kernel for steps of few rows (`engine.row_kernels`), then times, on this
+machine and through the real code paths: prefill steps of two sizes, decode steps of batch 1..4, and
+every unit of one training and one evaluation micro-batch (the real `LayerwisePass`, its gradients
+dropped). Each shape runs several times and the fastest counts:
 replicas warming up side by side on shared cores (`collm-lab` starts three at once) must not
 become a replica's idea of its own speed. The fits then become the priors (`adopt_fit_as_prior`)
 and go on refitting online from what the loop measures.
@@ -49,6 +50,8 @@ def fastest_units(make_pass, reps: int = PASS_REPS) -> tuple[list[tuple[object, 
 def warm_up(engine) -> None:
     t0 = time.perf_counter()
     costs, runner, pool = engine.costs, engine.runner, engine.pool
+    if engine.cfg.engine.row_kernels:
+        runner.calibrate_kernels()  # first: the step costs below are the chosen kernels'
     w = engine.shadow.pin()
     slots = [pool.allocate() for _ in range(min(4, pool.slots))]
     try:

@@ -66,8 +66,9 @@ class FusedLinear:
 
     STACKS_KEPT = 4  # version sets whose stacked A/B are kept (sets change only around swaps)
 
-    def __init__(self, modules: list[nn.Module], concatenate: bool = True):
+    def __init__(self, modules: list[nn.Module], concatenate: bool = True, matmul=F.linear):
         self.modules = list(modules)
+        self.matmul = matmul  # the base's x W^T + b: aten's, or the runner's `RowKernels` (by rows)
         bases = [_base(m) for m in self.modules]
         members, col = [], 0
         for m, b in zip(self.modules, bases):
@@ -124,7 +125,7 @@ class FusedLinear:
             if len(self.modules) == 1:
                 return self.modules[0](x)
             return torch.cat([m(x) for m in self.modules], dim=-1)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
         binding: ServingBinding | None = current_binding()  # the runner serves: only serving bindings
         return y if binding is None else binding.apply_fused(self, x, y)
 

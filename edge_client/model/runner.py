@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from collm.edge_client.model.fused import FusedLinear
 from collm.edge_client.model.lora import AdapterWeights, ServingBinding, bind
+from collm.edge_client.model.row_kernels import RowKernels
 
 
 @dataclass
@@ -100,18 +101,27 @@ class ModelRunner:
         self.scaling = float(getattr(attn0, "scaling", self.head_dim ** -0.5))
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
-        # per layer: q|k|v and gate|up as one projection each (`collm.edge_client.model.fused`)
+        # per layer: q|k|v and gate|up as one projection each (`collm.edge_client.model.fused`), their
+        # base matmuls by `kernels` (aten's until `calibrate_kernels` finds a faster one for few rows)
+        self.kernels = k = RowKernels()
         self.qkv, self.o, self.gate_up, self.down, self.act = [], [], [], [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.qkv.append(FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], fuse))
-            self.o.append(FusedLinear([attn.o_proj]))
-            self.gate_up.append(FusedLinear([mlp.gate_proj, mlp.up_proj], fuse))
-            self.down.append(FusedLinear([mlp.down_proj]))
+            self.qkv.append(FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], fuse, k))
+            self.o.append(FusedLinear([attn.o_proj], matmul=k))
+            self.gate_up.append(FusedLinear([mlp.gate_proj, mlp.up_proj], fuse, k))
+            self.down.append(FusedLinear([mlp.down_proj], matmul=k))
             self.act.append(mlp.act_fn)
+        self._head_plain = type(self.lm_head) is torch.nn.Linear and self.lm_head.weight.is_floating_point()
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.inter = self.gate_up[0].out_features // 2
+
+    def calibrate_kernels(self) -> frozenset[int]:
+        """Pick each few-rows step's matmul kernel by timing both on one layer's projections and the LM
+        head (`RowKernels.calibrate`); the row counts that use oneDNN."""
+        sample = [f.weight for f in (self.qkv[0], self.o[0], self.gate_up[0], self.down[0])]
+        return self.kernels.calibrate(sample + ([self.lm_head.weight] if self._head_plain else []))
 
     def new_pool(self, slots: int, slot_len: int) -> KVPool:
         return KVPool(self.n_layers, self.n_kv, self.head_dim, slots, slot_len, self.dtype, self.device)
@@ -201,4 +211,5 @@ class ModelRunner:
             if not want:
                 return h.new_empty(0, self.vocab_size)
             last = self.norm(h.index_select(0, torch.tensor(want, device=dev)))
-            return self.lm_head(last).float()
+            logits = self.kernels(last, self.lm_head.weight, self.lm_head.bias) if self._head_plain else self.lm_head(last)
+            return logits.float()
