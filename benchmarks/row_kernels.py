@@ -1,8 +1,9 @@
 """The serving step's matmul kernel for few rows (edge_client/model/row_kernels.py), measured on this machine.
 
 On the bundled SmolLM2-135M-Instruct with one thread (as each bench replica runs), through the engine's
-own ModelRunner and KV pool: first what `RowKernels.calibrate` times (the fastest of 5 passes over one
-layer's projections and the LM head, aten's fp32 linear against oneDNN's, per row count), then whole
+own ModelRunner and KV pool: first what the warm-up times to choose (`engine.warmup.time_row_kernels`:
+the fastest of 5 passes over one layer's projections and the LM head, aten's fp32 linear against
+oneDNN's, per row count), then whole
 decode steps of B running requests with the kernel choice off (aten's always, as before) and on (the
 calibrated choice), alternating off/on in each repeat so a drift of the machine weighs on both alike.
 Each repeat times `--steps` decode steps; the table gives the median step time of each and the
@@ -21,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adapter_quality import edge_cfg  # noqa: E402  (the bundled model, one thread)
 
@@ -39,6 +39,7 @@ def main() -> None:
 
     from collm.common.stats import ratio_ci
     from collm.edge_client.engine import Engine
+    from collm.edge_client.engine.warmup import time_row_kernels
     from collm.edge_client.model.loading import load_model
     from collm.edge_client.model.runner import Segment
 
@@ -46,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(1)
     engine = Engine(load_model(cfg.model), cfg, None)
     runner, pool = engine.runner, engine.pool
-    chosen = runner.calibrate_kernels()
+    chosen = runner.kernels.choose(time_row_kernels(runner.kernel_sample()))
     print(f"torch {torch.__version__}, 1 thread; calibrate (one layer's projections + LM head, ms):")
     print("rows  aten  oneDNN  chosen")
     for m, (aten, dnn) in runner.kernels.timings.items():

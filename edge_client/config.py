@@ -95,8 +95,8 @@ class EngineConfig(Strict):
                                    "memory-mapped from safetensors is then partly owned memory instead of "
                                    "page cache); false: one call per projection, as HF does")
     row_kernels: bool = Field(True, description="at warm-up, time oneDNN's fp32 linear against aten's for decode "
-                              "steps of 1-8 rows and use it where it is faster (a CPU step of 2-3 rows is up to "
-                              "2x faster on some machines; edge_client/model/row_kernels.py); false: aten's always")
+                              "steps of 1-8 rows and use it where it is faster (on the bench machine steps of 2-3 "
+                              "rows take 0.60-0.68x the time; edge_client/model/row_kernels.py); false: aten's always")
     timeline: str | None = Field(None, description="write every serving step, background unit and adapter "
                                  "publish to this JSON-lines file (engine/timeline.py; for finding why requests "
                                  "were slow); off by default")

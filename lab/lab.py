@@ -239,7 +239,8 @@ def start_edges(group: ProcessGroup, edges: list[EdgeConfig], paths: dict[str, P
 
 def lab_router(group: ProcessGroup, out: Path, urls: dict[str, str], keys: dict[str, Path] | None) -> str:
     """collm-router in front of every edge (with the lab's keys when it has them); its URL."""
-    auth = {"auth": {"api_keys": {"file": str(keys["client"])}}, "edge_key": {"file": str(keys["router"])}} if keys else {}
+    auth = ({"auth": {"api_keys": {"file": str(keys["client"])}}, "edge_key": {"file": str(keys["router"])}}
+            if keys else {})
     url = start_router(group, out, urls, auth)
     print(f"[lab] router: {url}", flush=True)
     return url

@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from collm.edge_client.engine.warmup import time_row_kernels
 from collm.edge_client.model.row_kernels import MAX_ROWS, RowKernels, onednn_usable
 from collm.edge_client.model.sampling import SamplingParams
 
@@ -16,7 +17,7 @@ def _weight(out_f: int = 96, in_f: int = 64, dtype=torch.float32) -> torch.Tenso
 def test_every_row_count_computes_what_atens_linear_computes():
     w, b = _weight(), torch.randn(96, generator=torch.Generator().manual_seed(2))
     k = RowKernels()
-    k.calibrate([w], reps=2)
+    k.choose(time_row_kernels([w], reps=2))
     forced = RowKernels()
     forced.onednn_rows = frozenset(range(1, 2 * MAX_ROWS))  # oneDNN for every row count, even past MAX_ROWS
     g = torch.Generator().manual_seed(3)
@@ -27,19 +28,20 @@ def test_every_row_count_computes_what_atens_linear_computes():
             torch.testing.assert_close(kernels(x, w), F.linear(x, w), rtol=1e-5, atol=1e-6)
 
 
-def test_calibration_keeps_onednn_only_for_the_row_counts_it_timed_faster():
+def test_the_choice_keeps_onednn_only_for_the_row_counts_it_timed_faster():
     k = RowKernels()
-    chosen = k.calibrate([_weight(), _weight(64, 96)], max_rows=5, reps=2)
-    assert sorted(k.timings) == [1, 2, 3, 4, 5]
-    assert chosen == k.onednn_rows == {m for m, (aten, dnn) in k.timings.items() if dnn < aten}
-    assert all(aten > 0 and dnn > 0 for aten, dnn in k.timings.values())
+    assert k.choose({1: (2.0, 1.0), 2: (1.0, 2.0), 3: (3.0, 1.5), 4: (1.0, 1.0)}) == frozenset({1, 3})
+    assert k.onednn_rows == {1, 3}  # a tie stays on aten's
+    timings = time_row_kernels([_weight(), _weight(64, 96)], max_rows=5, reps=2)
+    assert sorted(timings) == [1, 2, 3, 4, 5] and all(a > 0 and d > 0 for a, d in timings.values())
+    assert k.choose({}) == frozenset() and k.timings == {}
 
 
 def test_weights_onednn_cannot_take_keep_atens_kernel_exactly():
     for w in (_weight(dtype=torch.float64), _weight(dtype=torch.bfloat16), _weight().t()):  # the last: not contiguous
         assert not onednn_usable(w)
         k = RowKernels()
-        assert k.calibrate([w], reps=1) == frozenset() and k.timings == {}
+        assert time_row_kernels([w], reps=1) == {} and k.choose(time_row_kernels([w], reps=1)) == frozenset()
         x = torch.randn(3, w.shape[1], dtype=w.dtype)
         assert torch.equal(k(x, w), F.linear(x, w))
 

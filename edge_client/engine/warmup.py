@@ -15,8 +15,10 @@ import logging
 import time
 
 import torch
+import torch.nn.functional as F
 
 from collm.common.step_cost import step_features
+from collm.edge_client.model.row_kernels import MAX_ROWS, onednn_linear, onednn_usable
 from collm.edge_client.model.runner import Segment
 from collm.edge_client.training.evaluation import EvalJob
 from collm.edge_client.training.layerwise import timed_units
@@ -25,6 +27,7 @@ log = logging.getLogger("collm.engine")
 
 STEP_REPS = 3
 PASS_REPS = 2
+KERNEL_REPS = 5
 
 
 def fastest(fn, reps: int = STEP_REPS, pick=min) -> float:
@@ -47,11 +50,30 @@ def fastest_units(make_pass, reps: int = PASS_REPS) -> tuple[list[tuple[object, 
     return [(runs[0][i][0], min(run[i][1] for run in runs)) for i in range(len(runs[0]))], passes[0].tokens
 
 
+def time_row_kernels(weights: list[torch.Tensor], max_rows: int = MAX_ROWS,
+                     reps: int = KERNEL_REPS) -> dict[int, tuple[float, float]]:
+    """rows -> (aten's, oneDNN's) fastest time over `weights` for 1..max_rows rows (`RowKernels.choose`
+    picks from it); empty where oneDNN cannot take every weight."""
+    if not weights or not all(onednn_usable(w) for w in weights):
+        return {}
+    g = torch.Generator().manual_seed(0)
+    timings = {}
+    with torch.inference_mode():
+        for m in range(1, max_rows + 1):
+            xs = [torch.randn(m, w.shape[1], generator=g) for w in weights]
+            timings[m] = tuple(fastest(lambda k=kernel: [k(x, w) for x, w in zip(xs, weights)], reps)
+                               for kernel in (F.linear, onednn_linear))
+    return timings
+
+
 def warm_up(engine) -> None:
     t0 = time.perf_counter()
     costs, runner, pool = engine.costs, engine.runner, engine.pool
-    if engine.cfg.engine.row_kernels:
-        runner.calibrate_kernels()  # first: the step costs below are the chosen kernels'
+    if engine.cfg.engine.row_kernels:  # first: the step costs below are the chosen kernels'
+        rows = runner.kernels.choose(time_row_kernels(runner.kernel_sample()))
+        log.info("serving matmuls: oneDNN for %s row(s), aten's otherwise (ms aten/oneDNN by rows: %s)",
+                 sorted(rows) or "no", ", ".join(f"{m}: {1000 * a:.1f}/{1000 * d:.1f}"
+                                                 for m, (a, d) in runner.kernels.timings.items()))
     w = engine.shadow.pin()
     slots = [pool.allocate() for _ in range(min(4, pool.slots))]
     try:

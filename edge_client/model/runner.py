@@ -102,7 +102,7 @@ class ModelRunner:
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         # per layer: q|k|v and gate|up as one projection each (`collm.edge_client.model.fused`), their
-        # base matmuls by `kernels` (aten's until `calibrate_kernels` finds a faster one for few rows)
+        # base matmuls by `kernels` (aten's until the warm-up finds a faster one for few rows)
         self.kernels = k = RowKernels()
         self.qkv, self.o, self.gate_up, self.down, self.act = [], [], [], [], []
         for layer in self.layers:
@@ -117,11 +117,11 @@ class ModelRunner:
         self.kv_size = self.n_kv * self.head_dim
         self.inter = self.gate_up[0].out_features // 2
 
-    def calibrate_kernels(self) -> frozenset[int]:
-        """Pick each few-rows step's matmul kernel by timing both on one layer's projections and the LM
-        head (`RowKernels.calibrate`); the row counts that use oneDNN."""
-        sample = [f.weight for f in (self.qkv[0], self.o[0], self.gate_up[0], self.down[0])]
-        return self.kernels.calibrate(sample + ([self.lm_head.weight] if self._head_plain else []))
+    def kernel_sample(self) -> list[torch.Tensor]:
+        """The weights the few-rows kernel choice is timed on: one layer's projections and the LM head
+        (what a decode step pays, in proportion), those `RowKernels` would multiply."""
+        sample = [f.weight for f in (self.qkv[0], self.o[0], self.gate_up[0], self.down[0]) if f.weight is not None]
+        return sample + ([self.lm_head.weight] if self._head_plain else [])
 
     def new_pool(self, slots: int, slot_len: int) -> KVPool:
         return KVPool(self.n_layers, self.n_kv, self.head_dim, slots, slot_len, self.dtype, self.device)
@@ -211,5 +211,5 @@ class ModelRunner:
             if not want:
                 return h.new_empty(0, self.vocab_size)
             last = self.norm(h.index_select(0, torch.tensor(want, device=dev)))
-            logits = self.kernels(last, self.lm_head.weight, self.lm_head.bias) if self._head_plain else self.lm_head(last)
-            return logits.float()
+            head = self.kernels(last, self.lm_head.weight, self.lm_head.bias) if self._head_plain else self.lm_head(last)
+            return head.float()
