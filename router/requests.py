@@ -12,6 +12,8 @@ from collm.common import sse
 from collm.router.config import RouterConfig
 from collm.router.policy import RequestView
 
+ROLE_MARKER_TOKENS = 8  # what the router guesses a chat message's template adds (it has no tokenizer)
+
 
 def request_view(body: object, chat: bool, cfg: RouterConfig, typical_output: float) -> tuple[RequestView, bool]:
     """(the rule's view of the request, whether it asks for a stream); never raises on odd bodies."""
@@ -26,7 +28,7 @@ def request_view(body: object, chat: bool, cfg: RouterConfig, typical_output: fl
             if isinstance(c, list):
                 c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
             chars += len(c.encode("utf-8", "surrogatepass")) if isinstance(c, str) else 0
-            extra += 8  # role markers of the chat template
+            extra += ROLE_MARKER_TOKENS
         prompt_tokens = math.ceil(chars / r.chars_per_token) + extra
     else:
         p = body.get("prompt")

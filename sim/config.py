@@ -94,8 +94,6 @@ class RouterSim(Strict):
     probe_after_s: float = Field(_ROUTING.probe_after_s, gt=0, description="routing.probe_after_s")
     pack_slack: float = Field(_ROUTING.pack_slack, ge=0, le=1, description="routing.pack_slack (slo_pack)")
     pack_spare: float = Field(_ROUTING.pack_spare, ge=0, le=1, description="routing.pack_spare (slo_pack)")
-    prompt_overhead_tokens: int = Field(10, ge=0, description="tokens the chat template adds to a trace prompt "
-                                        "(the edge sees them, the router estimates 8)")
 
 
 class SweepConfig(Strict):

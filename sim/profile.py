@@ -6,7 +6,8 @@ coefficients fitted by the edge's own `LinearCostModel` on a grid of real steps,
 lognormal factor with the spread the fit left on those steps, `overhead` what the engine loop
 spends around the forward it times. A training or evaluation micro-batch takes its measured
 median and is split into its measured number of resumable units. `speed` divides every time:
-a profile at speed 4.0 stands for a device four times as fast.
+a profile at speed 4.0 stands for a device four times as fast. A request's prompt is the trace's
+message plus the model's chat template (`model.chat_template_tokens`), which the edge prefills too.
 
 Shipped profiles live in `collm/sim/profiles/` and are named by file stem (`smollm2-cpu1`).
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from collm.common.errors import UserError
 from collm.common.step_cost import step_seconds
+from collm.router.requests import ROLE_MARKER_TOKENS  # a profile without model.chat_template_tokens: the router's guess
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 SCHEMA = "collm-profile/1"
@@ -52,6 +54,7 @@ class EdgeProfile:
     decode_fix: tuple[float, ...] = ()       # measured - fitted, decode-only steps, by batch size 0..max
     overhead_per_seq_s: float = 0.0          # loop overhead per running sequence beyond the first
     upload_s: float = 0.0                    # sending one update to the server (its device class's uplink)
+    template_tokens: int = ROLE_MARKER_TOKENS  # the chat template's tokens around a message (model.chat_template_tokens)
 
     def step_s(self, decode: int, prefill: int, attended: int) -> float:
         """Noise-free seconds of one serving step (the cost model's features); a decode-only step also
@@ -80,7 +83,8 @@ class EdgeProfile:
                            self.noise_sigma, self.max_running, self.step_token_budget, self.max_context,
                            self.max_queue, self.train_tokens, self.train_s * k, self.train_units, self.eval_tokens,
                            self.eval_s * k, self.eval_units, self.eval_batch, self.speed * speed, self.source,
-                           tuple(x * k for x in self.decode_fix), self.overhead_per_seq_s * k, self.upload_s)
+                           tuple(x * k for x in self.decode_fix), self.overhead_per_seq_s * k, self.upload_s,
+                           self.template_tokens)
 
     def for_device(self, precision: str = "none", upload_s: float = 0.0) -> EdgeProfile:
         """The same device with its base at `precision` (PRECISION_COST: steps and background units
@@ -163,7 +167,8 @@ def from_dict(d: dict, name: str = "profile", source: str = "") -> EdgeProfile:
                         int(eng.get("max_queue", 256)), int(tr["tokens"]), float(tr["seconds"]), int(tr["units"]),
                         int(ev["tokens"]), float(ev["seconds"]), int(ev["units"]), int(ev["batch_size"]),
                         1.0, source, decode_residuals(step.get("samples", []), step["coef"], int(eng["max_running"])),
-                        per_seq)
+                        per_seq, template_tokens=int(d.get("model", {}).get("chat_template_tokens",
+                                                                             ROLE_MARKER_TOKENS)))
     except KeyError as e:
         raise UserError(f"profile {source or name}: missing field {e}") from None
     speed = float(d.get("speed", 1.0))

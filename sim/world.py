@@ -40,6 +40,7 @@ from collm.lab.bench_config import edge_policy, is_collm, mode_roles, router_pol
 from collm.router import fleet
 from collm.router.config import HealthConfig, RoutingConfig
 from collm.router.policy import EdgeView, RequestView, unattainable
+from collm.router.requests import ROLE_MARKER_TOKENS
 from collm.sim.config import SimConfig
 from collm.sim.edge import SimEdge, SimRequest
 from collm.sim.profile import EdgeProfile
@@ -191,17 +192,17 @@ class World(FederationRounds):
     # ------------------------------------------------------------------ requests
     def _route(self, i: int, tr: TraceRequest, now: float) -> None:
         cfg = self.cfg
-        p = tr.prompt_tokens + cfg.router.prompt_overhead_tokens
-        r = SimRequest(i, self._point, now, p, tr.output_tokens, self.slo)
-        x = RequestView(tr.prompt_tokens + 8, tr.output_tokens, self.slo.ttft_s, self.slo.tpot_s)
+        x = RequestView(tr.prompt_tokens + ROLE_MARKER_TOKENS, tr.output_tokens, self.slo.ttft_s, self.slo.tpot_s)
         c = self._columns(now, self.counter % self.shards)
         d = fleet.choose(self.policy, c, x, self.rng, self.counter // self.shards, self.assumptions)
         self.counter += 1
+        k = self._row[d.edge]
+        e = self.serving[k]
+        # the edge prefills its chat template's tokens too (a trace counts the message alone)
+        r = SimRequest(i, self._point, now, tr.prompt_tokens + e.p.template_tokens, tr.output_tokens, self.slo)
         if cfg.router.admission and unattainable(d, cfg.router.admission_margin):  # the slo rules estimate; others do not
             self._record(r, -1, "refused", None, None)
             return
-        k = self._row[d.edge]
-        e = self.serving[k]
         if not e.arrive(r, now):
             self._record(r, e.index, "refused", None, None)
             return

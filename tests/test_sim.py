@@ -15,9 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from collm.common.config import load_config
+from collm.common.data import chat_prompt_ids
 from collm.common.errors import UserError
 from collm.common.traces import TraceRequest
+from collm.edge_client.config import EdgeConfig
 from collm.edge_client.engine import co_schedule
+from collm.edge_client.model.loading import load_model
+from collm.router.requests import ROLE_MARKER_TOKENS
 from collm.sim import edge as sim_edge
 from collm.sim.config import SimConfig
 from collm.sim.profile import SCHEMA, EdgeProfile, from_dict, load_profile, shipped
@@ -27,12 +32,16 @@ from collm.sim.world import World
 ROOT = Path(__file__).resolve().parents[1]
 
 
+TEMPLATE = 10  # fixed_profile's chat template tokens
+
+
 def fixed_profile(**kw) -> EdgeProfile:
     """Step = 10 ms + 5 ms per decoding sequence + 1 ms per prefill token; a 1 s training micro-batch
-    of 100 tokens in 10 units; a 0.5 s evaluation micro-batch of 4 records in 5 units; no noise."""
+    of 100 tokens in 10 units; a 0.5 s evaluation micro-batch of 4 records in 5 units; no noise; a chat
+    template of TEMPLATE tokens around each prompt."""
     p = EdgeProfile("fixed", (0.010, 0.005, 0.001, 0.0), 0.0, 0.0, max_running=4, step_token_budget=64,
                     max_context=512, max_queue=64, train_tokens=100, train_s=1.0, train_units=10,
-                    eval_tokens=200, eval_s=0.5, eval_units=5, eval_batch=4)
+                    eval_tokens=200, eval_s=0.5, eval_units=5, eval_batch=4, template_tokens=TEMPLATE)
     return dataclasses.replace(p, **kw)
 
 
@@ -52,11 +61,24 @@ def test_one_request_alone_costs_its_prefill_then_one_step_per_token():
     w = world(c, "serve-only", 1)
     w.run([[TraceRequest(0.0, 30, 5)]], 0.0, 0.0)
     (s,) = w.out
-    prompt = 30 + c.router.prompt_overhead_tokens  # the chat template's tokens
+    prompt = 30 + TEMPLATE  # the edge prefills its chat template's tokens too
     prefill = 0.010 + 0.001 * prompt  # one step: the prompt fits the 64-token budget
     assert s.ttft_s == pytest.approx(prefill + c.network.rtt_s)
     assert s.tpot_s == pytest.approx(0.015)  # 4 decode steps of one sequence
     assert s.met and s.status == "length"
+
+
+def test_each_edge_prefills_its_own_models_chat_template():
+    """A trace counts the message alone; the edge's model wraps it in its chat template (profile
+    `model.chat_template_tokens`), so an edge with a longer template takes longer to the first token."""
+    c = cfg()
+    ttft = {}
+    for template in (0, 30):
+        w = world(c, "serve-only", 1, fixed_profile(template_tokens=template))
+        w.run([[TraceRequest(0.0, 20, 3)]], 0.0, 0.0)
+        ttft[template] = w.out[0].ttft_s
+    assert ttft[0] == pytest.approx(0.010 + 0.001 * 20 + c.network.rtt_s)
+    assert ttft[30] - ttft[0] == pytest.approx(0.030)  # 1 ms per prefill token
 
 
 def test_decode_runs_fast_forwarded_equal_step_by_step(monkeypatch):
@@ -92,7 +114,7 @@ def test_an_idle_edge_trains_back_to_back_and_an_arrival_waits_only_for_the_unit
     (s,) = w.out
     e = w.edges[0]
     # units of 0.1 s from 0.1 s: the unit in flight ends at 2.1 s, then the request is served
-    prefill = 0.010 + 0.001 * (10 + c.router.prompt_overhead_tokens)
+    prefill = 0.010 + 0.001 * (10 + TEMPLATE)
     assert s.ttft_s == pytest.approx(0.05 + prefill + c.network.rtt_s)
     assert e.train_tokens == 200  # two whole micro-batches by 2.1 s; the third one's first unit waits, kept
     assert e.core.job is not None and e.core.job.unit_in_mb == 0 and e.beside_s == 0.0
@@ -186,6 +208,7 @@ def test_profiles_load_scale_and_refuse_bad_files(tmp_path):
     fast = load_profile("smollm2-cpu1", speed=4.0)
     assert fast.step_s(2, 0, 300) == pytest.approx(p.step_s(2, 0, 300) / 4)
     assert fast.train_s == pytest.approx(p.train_s / 4) and fast.max_running == p.max_running
+    assert fast.template_tokens == p.template_tokens == 30  # SmolLM2's system prompt and role markers
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema": "other"}))
     with pytest.raises(UserError, match="expected schema"):
@@ -193,6 +216,8 @@ def test_profiles_load_scale_and_refuse_bad_files(tmp_path):
     with pytest.raises(UserError, match="not a shipped profile"):
         load_profile("no-such-device")
     d = json.loads((ROOT / "sim/profiles/smollm2-cpu1.json").read_text())
+    del d["model"]["chat_template_tokens"]  # a profile written before it was measured: the router's guess
+    assert from_dict(d, "old").template_tokens == ROLE_MARKER_TOKENS
     del d["engine"]["max_running"]
     with pytest.raises(UserError, match="missing field 'max_running'"):
         from_dict(d, "x")
@@ -208,6 +233,11 @@ def test_collm_edge_profile_writes_a_profile_the_simulator_runs_on(tmp_path):
     d = json.loads(out.read_text())
     assert d["schema"] == SCHEMA and len(d["step"]["samples"]) >= 10 and d["train_microbatch"]["units"] > 1
     p = load_profile(str(out))
+    # the template's tokens, as the edge's tokenizer wraps any other message
+    tok = load_model(load_config(EdgeConfig, cfg_path).model).tokenizer
+    other = "What is the capital of Peru?"
+    assert p.template_tokens == d["model"]["chat_template_tokens"] > 0
+    assert p.template_tokens == len(chat_prompt_ids(tok, other)) - len(tok.encode(other, add_special_tokens=False))
     assert p.step_s(4, 0, 400) > p.step_s(1, 0, 100) > 0 and p.idle_train_tokens_per_s > 0
     w = World(cfg(), "collm", [p, p], 0)
     w.run([[TraceRequest(0.5 * i, 20, 4) for i in range(10)]], 0.0, 0.0)
@@ -242,7 +272,7 @@ def test_interference_charges_a_step_by_what_its_neighbour_does_and_the_mode():
     """A step beside a serving neighbour takes `slowdown` longer, beside a training one
     `background_slowdown`, and in a mode with a federation `federation_slowdown` on top."""
     inter = {"per_machine": 2, "slowdown": 0.1, "background_slowdown": 0.5, "federation_slowdown": 0.2}
-    prompt = 10 + cfg().router.prompt_overhead_tokens
+    prompt = 10 + TEMPLATE
     prefill = 0.010 + 0.001 * prompt
 
     c = cfg(interference=inter)

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from collm.common.data import chat_prompt_ids
 from collm.common.step_cost import step_features
 from collm.edge_client.engine.cost_model import LinearCostModel
 from collm.edge_client.engine.requests import FinishEvent
@@ -34,6 +35,18 @@ from collm.edge_client.training.evaluation import EvalJob
 from collm.edge_client.training.layerwise import timed_units
 
 SCHEMA = "collm-profile/1"
+TEMPLATE_SAMPLE = "Summarize the history of the printing press in three sentences."
+
+
+def chat_template_tokens(tokenizer) -> int:
+    """Tokens the chat template adds around one user message (SmolLM2's: 30, its default system
+    prompt and role markers). A trace counts only the message; the edge prefills these too, so the
+    simulator adds them to every request (0 for a model without a chat template)."""
+    try:
+        with_template = chat_prompt_ids(tokenizer, TEMPLATE_SAMPLE)
+    except Exception:  # noqa: BLE001 - no chat template: the edge serves completions only
+        return 0
+    return max(0, len(with_template) - len(tokenizer.encode(TEMPLATE_SAMPLE, add_special_tokens=False)))
 
 
 def step_grid(max_running: int, budget: int, max_context: int) -> list[tuple[int, int, int]]:
@@ -174,7 +187,8 @@ def measure_profile(engine, reps: int = 5, progress=print) -> dict:
                    "accelerator": str(engine.device), "torch": torch.__version__,
                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         "model": {"source": cfg.model.source, "name": engine.lm.name, "dtype": cfg.model.dtype,
-                  "n_layers": runner.n_layers, "lora_r": cfg.lora.r},
+                  "n_layers": runner.n_layers, "lora_r": cfg.lora.r,
+                  "chat_template_tokens": chat_template_tokens(engine.tokenizer)},
         "engine": {"max_running": engine.pool.slots, "step_token_budget": e.step_token_budget,
                    "max_context": engine.max_context, "max_queue": e.max_queue},
         "slo": {"ttft_s": cfg.slo.targets.ttft_s, "tpot_s": cfg.slo.targets.tpot_s, "safety": cfg.slo.safety},
