@@ -89,8 +89,8 @@ class RouterSim(Strict):
     max_polls_per_s: float = Field(100.0, gt=0, description="health.max_polls_per_s (staggered polling)")
     shards: int = Field(1, ge=1, description="routers in front of the fleet, each routing to its own 1/shards of "
                         "the edges; arrivals go to them in turn (a front load balancer)")
-    admission: bool = True
-    admission_margin: float = Field(1.0, ge=1.0)
+    admission: bool = Field(_ROUTING.admission, description="routing.admission")
+    admission_margin: float = Field(_ROUTING.admission_margin, ge=1.0, description="routing.admission_margin")
     probe_after_s: float = Field(_ROUTING.probe_after_s, gt=0, description="routing.probe_after_s")
     pack_slack: float = Field(_ROUTING.pack_slack, ge=0, le=1, description="routing.pack_slack (slo_pack)")
     pack_spare: float = Field(_ROUTING.pack_spare, ge=0, le=1, description="routing.pack_spare (slo_pack)")
