@@ -167,10 +167,13 @@ def from_dict(d: dict, name: str = "profile", source: str = "") -> EdgeProfile:
                         int(eng.get("max_queue", 256)), int(tr["tokens"]), float(tr["seconds"]), int(tr["units"]),
                         int(ev["tokens"]), float(ev["seconds"]), int(ev["units"]), int(ev["batch_size"]),
                         1.0, source, decode_residuals(step.get("samples", []), step["coef"], int(eng["max_running"])),
-                        per_seq, template_tokens=int(d.get("model", {}).get("chat_template_tokens",
-                                                                             ROLE_MARKER_TOKENS)))
+                        per_seq, template_tokens=max(0, int(d.get("model", {}).get("chat_template_tokens",
+                                                                                    ROLE_MARKER_TOKENS))))
     except KeyError as e:
         raise UserError(f"profile {source or name}: missing field {e}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"profile {source or name}: a field is not the number or object it should be ({e}); "
+                        "write it again with `collm-edge --profile`") from None
     speed = float(d.get("speed", 1.0))
     return p if speed == 1.0 else p.scaled(speed)
 

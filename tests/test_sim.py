@@ -218,6 +218,10 @@ def test_profiles_load_scale_and_refuse_bad_files(tmp_path):
     d = json.loads((ROOT / "sim/profiles/smollm2-cpu1.json").read_text())
     del d["model"]["chat_template_tokens"]  # a profile written before it was measured: the router's guess
     assert from_dict(d, "old").template_tokens == ROLE_MARKER_TOKENS
+    d["model"]["chat_template_tokens"] = "thirty"
+    with pytest.raises(UserError, match="not the number"):
+        from_dict(d, "x")
+    d["model"]["chat_template_tokens"] = 30
     del d["engine"]["max_running"]
     with pytest.raises(UserError, match="missing field 'max_running'"):
         from_dict(d, "x")
