@@ -44,7 +44,7 @@ class RowKernels:
 
     def __init__(self):
         self.onednn_rows: frozenset[int] = frozenset()
-        self.timings: dict[int, tuple[float, float]] = {}  # rows -> (aten s, oneDNN s), as chosen from
+        self.timings: dict[int, tuple[float, float]] = {}  # rows -> (aten s, oneDNN s) the choice was made on
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] in self.onednn_rows:
