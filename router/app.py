@@ -53,6 +53,7 @@ from collm.common.errors import UserError
 from collm.common.http_guard import BodyLimit
 from collm.common.protocol import error_body
 
+from collm.router.admission import AdmissionController
 from collm.router.config import RouterConfig
 from collm.router.metrics import RouterMetrics
 from collm.router.poller import EdgePoller
@@ -92,6 +93,9 @@ class Router(EdgeProxy):
         self.rng = random.Random(cfg.routing.seed)
         self.counter = 0
         self.typical_output = float(cfg.routing.typical_output_tokens)
+        self.awaiting: dict = {}  # tries without a first token yet -> (sent at, TTFT target): admission reads them
+        self.admission = AdmissionController.from_settings(r.admission_margin, r.admission_margin_max,
+                                                            r.admission_feedback)
         self.metrics = RouterMetrics(self)
         self._transport = transport
         self.client: httpx.AsyncClient | None = None
@@ -198,7 +202,8 @@ class Router(EdgeProxy):
             if picked is None:
                 break
             edge, decision, est = picked
-            if attempt == 1 and self.cfg.routing.admission and not x.best_effort and unattainable(decision, self.cfg.routing.admission_margin):
+            if (attempt == 1 and self.cfg.routing.admission and not x.best_effort
+                    and unattainable(decision, self.admission.update(time.monotonic(), self.awaiting.values()))):
                 return self._refuse(decision)
             tried.append(edge.name)
             if attempt == 2:
@@ -248,7 +253,8 @@ class Router(EdgeProxy):
     def health_body(self) -> dict:
         n = self.healthy_count()
         return {"status": "ok" if n else "unavailable", "router": self.cfg.name, "policy": self.cfg.routing.policy,
-                "healthy_edges": n, "edges": [e.describe() for e in self.edges]}
+                "admission_margin": self.admission.margin, "healthy_edges": n,
+                "edges": [e.describe() for e in self.edges]}
 
 
 # ============================================================================ the app

@@ -60,6 +60,35 @@ class HealthConfig(Strict):
     cooldown_s: float = Field(1.0, ge=0, description="after a 503 or 429 from an edge, prefer other edges this long")
 
 
+def check_margins(margin: float, margin_max: float | None) -> None:
+    """admission_margin_max below admission_margin is a mistake (the router's and collm-sim's configs)."""
+    if margin_max is not None and margin_max < margin:
+        raise ValueError(f"admission_margin_max ({margin_max:g}) must be at least admission_margin ({margin:g}), "
+                         "the tightest margin; leave it out for a fixed margin")
+
+
+class AdmissionFeedback(Strict):
+    """How the admission margin follows the first tokens the router relays (router/admission.py)."""
+
+    period_s: float = Field(1.0, gt=0, le=60, description="the margin is adjusted at most this often (seconds)")
+    window_s: float = Field(30.0, gt=0, le=3600, description="over the first tokens of this many seconds")
+    min_requests: int = Field(8, ge=1, le=100_000, description="fewer fresh first tokens: no evidence, the margin holds")
+    quantile: float = Field(0.9, gt=0, le=1, description="the TTFT / target percentile the slack is measured at")
+    slack_low: float = Field(0.1, ge=-1, lt=1, description="slack (1 - that percentile) below this: the margin drops "
+                             "to routing.admission_margin at once")
+    slack_high: float = Field(0.2, gt=-1, lt=1, description="slack above this: the margin grows by `step`, up to "
+                              "routing.admission_margin_max")
+    step: float = Field(0.1, gt=0, le=10, description="additive growth of the margin per period")
+    cool_s: float = Field(30.0, ge=0, le=3600, description="no growth this long after a drop (seconds)")
+
+    @model_validator(mode="after")
+    def _band(self) -> AdmissionFeedback:
+        if self.slack_low >= self.slack_high:
+            raise ValueError(f"slack_low ({self.slack_low:g}) must be below "
+                             f"slack_high ({self.slack_high:g}): between them the margin holds")
+        return self
+
+
 class RoutingConfig(Strict):
     """The routing rule (`collm.router.policy`) and what it assumes about the edges."""
 
@@ -83,7 +112,13 @@ class RoutingConfig(Strict):
                             "request's target, unless it asks for best effort")
     admission_margin: float = Field(1.0, ge=1.0, allow_inf_nan=False,
                                     description="refuse only when the soonest estimated TTFT is past this many "
-                                                "times the target (the estimate is pessimistic inside bursts)")
+                                                "times the target (the estimate is pessimistic inside bursts); "
+                                                "the tightest margin when it adapts")
+    admission_margin_max: float | None = Field(
+        None, ge=1.0, allow_inf_nan=False, description="the loosest margin: above admission_margin, the margin "
+        "follows the first tokens the router relays (loosens while they come with room to spare, drops back at "
+        "once when they come late; router/admission.py); None or equal: a fixed margin")
+    admission_feedback: AdmissionFeedback = AdmissionFeedback()
     chars_per_token: float = Field(4.0, gt=0, description="prompt size estimate: characters per token")
     typical_output_tokens: int = Field(64, ge=1, description="prior of the output length of running requests "
                                                              "(then a moving average of what the edges returned)")
@@ -93,6 +128,11 @@ class RoutingConfig(Strict):
     default_ttft_ms: float = Field(2000.0, gt=0, description="TTFT target assumed until an edge's metrics are read")
     default_tpot_ms: float = Field(200.0, gt=0, description="TPOT target assumed until an edge's metrics are read")
     seed: int | None = Field(None, description="seed of the tie-breaking sampler (None: random)")
+
+    @model_validator(mode="after")
+    def _margins(self) -> RoutingConfig:
+        check_margins(self.admission_margin, self.admission_margin_max)
+        return self
 
     @property
     def default_slo(self) -> SLO:

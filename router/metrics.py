@@ -18,6 +18,7 @@ EDGE_HEALTHY = "collm_router_edge_healthy"
 EDGE_OUTSTANDING = "collm_router_edge_outstanding"
 EDGE_SLACK = "collm_router_edge_last_slack"
 HEALTHY_EDGES = "collm_router_healthy_edges"
+ADMISSION_MARGIN = "collm_router_admission_margin"
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
@@ -59,4 +60,7 @@ class _EdgeGauges:
             slack.add_metric([e.name], float("nan") if e.last_slack is None else e.last_slack)
         total = GaugeMetricFamily(HEALTHY_EDGES, "Edges being routed to")
         total.add_metric([], float(self.router.healthy_count()))
-        yield from (healthy, outstanding, slack, total)
+        margin = GaugeMetricFamily(ADMISSION_MARGIN, "Admission refuses a request whose soonest estimated TTFT is "
+                                   "past this many times its target (router/admission.py)")
+        margin.add_metric([], float(self.router.admission.margin))
+        yield from (healthy, outstanding, slack, total, margin)

@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import anyio
 import httpx
@@ -51,19 +51,27 @@ class ClientGone(Exception):
 
 
 class OpenAttempt:
-    """One try in flight on an edge: counted in `edge.outstanding`, holding the edge's response, until `close`,
-    which is idempotent (the relay and the response's background both call it)."""
+    """One try in flight on an edge: counted in `edge.outstanding`, and a stream in `awaiting` (sent at, TTFT
+    target) until its first token, holding the edge's response, until `close`, which is idempotent (the relay and
+    the response's background both call it)."""
 
-    def __init__(self, edge: EdgeState):
+    def __init__(self, edge: EdgeState, awaiting: dict, ttft_target_s: float | None):
         self.edge = edge
         self.up: httpx.Response | None = None
         self.closed = False
+        self.awaiting = awaiting
+        if ttft_target_s is not None:
+            awaiting[self] = (time.monotonic(), ttft_target_s)
         edge.outstanding += 1
+
+    def first_token(self) -> None:
+        self.awaiting.pop(self, None)
 
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        self.first_token()
         self.edge.outstanding -= 1
         if self.up is not None:
             with anyio.CancelScope(shield=True):
@@ -71,13 +79,15 @@ class OpenAttempt:
 
 
 class EdgeProxy:
-    """Needs `cfg`, `client` (httpx), `metrics` (RouterMetrics) and `_learn_output` from the router."""
+    """Needs `cfg`, `client` (httpx), `metrics` (RouterMetrics), `admission` (AdmissionController),
+    `awaiting` (the tries without a first token yet) and `_learn_output` from the router."""
 
     async def _attempt(self, edge: EdgeState, est: Estimate, method: str, path: str, raw: bytes, headers: dict,
                        stream: bool, attempt: int, request: Request, soonest: Estimate | None = None) -> Response:
         """One try on one edge; raises AttemptFailed when the client has had nothing yet and a retry may help."""
         self.metrics.routed.labels(edge.name).inc()
-        held = OpenAttempt(edge)
+        # only a stream shows its first token when it comes (a JSON answer's wait would include its decoding)
+        held = OpenAttempt(edge, self.awaiting, est.ttft_target_s if stream else None)
         edge.last_sent = time.monotonic()
         handed_off = False
         t0 = time.perf_counter()
@@ -90,7 +100,7 @@ class EdgeProxy:
             if stream and up.headers.get("content-type", "").startswith("text/event-stream"):
                 chunks, first = await self._first_chunk(edge, up)
                 handed_off = True
-                return StreamingResponse(self._relay(edge, est, chunks, first, t0, held.close),
+                return StreamingResponse(self._relay(edge, est, chunks, first, t0, held),
                                          status_code=up.status_code, headers=out_headers,
                                          media_type="text/event-stream", background=BackgroundTask(held.close))
             return await self._json_answer(edge, est, up, request, out_headers)
@@ -113,6 +123,8 @@ class EdgeProxy:
         status = up.status_code
         if status in (429, 503):  # overloaded or not ready: leave it alone for a while either way
             edge.cool_down(self.cfg.health.cooldown_s, f"answered {status}")
+        if status == 429:  # queue full or shed as late: what admission let through came too late
+            self.admission.shed(time.monotonic())
         if status >= 500 or (status == 429 and self.cfg.routing.retry_429):
             content = await self._read_quietly(up)
             self.metrics.failures.labels(edge.name, f"http_{status}").inc()
@@ -197,20 +209,28 @@ class EdgeProxy:
         if isinstance(ttft, (int, float)):
             self.metrics.ttft_est.labels(edge.name).observe(est.ttft_s)
             self.metrics.ttft_obs.labels(edge.name).observe(ttft)
+            self.admission.observe(time.monotonic(), float(ttft), est.ttft_target_s)
         self._learn_output(tokens if isinstance(tokens, int) else None)
 
     async def _relay(self, edge: EdgeState, est: Estimate, chunks: AsyncIterator[bytes], first: bytes, t0: float,
-                     close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+                     held: OpenAttempt) -> AsyncIterator[bytes]:
         """Pass the edge's stream through as it arrives; a break becomes an SSE error event."""
         watch = SSEWatch(t0)
         outcome = "stream_cancelled"
         try:
             watch.feed(first)
+            if watch.first_token_s is not None:
+                held.first_token()
+                self.admission.observe(time.monotonic(), watch.first_token_s, est.ttft_target_s)
             yield first
             try:
                 async for chunk in chunks:
                     edge.last_progress = time.monotonic()
+                    had_first = watch.first_token_s is not None
                     watch.feed(chunk)
+                    if not had_first and watch.first_token_s is not None:  # admission learns it now, not at the end
+                        held.first_token()
+                        self.admission.observe(edge.last_progress, watch.first_token_s, est.ttft_target_s)
                     yield chunk
                 outcome = "2xx"
             except httpx.HTTPError as e:
@@ -230,4 +250,4 @@ class EdgeProxy:
                     self.metrics.ttft_est.labels(edge.name).observe(est.ttft_s)
                     self.metrics.ttft_obs.labels(edge.name).observe(watch.first_token_s)
                 self._learn_output(watch.completion_tokens)
-            await close()
+            await held.close()

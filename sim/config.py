@@ -15,7 +15,7 @@ from collm.common.config import Strict
 from collm.edge_client.config import FeedbackConfig
 from collm.lab.bench_config import (MODES, CapacityConfig, FederationBudget, LoadConfig, Mode, TraceConfig,
                                     check_modes)
-from collm.router.config import RoutingConfig
+from collm.router.config import AdmissionFeedback, RoutingConfig, check_margins
 
 
 class DeviceClass(Strict):
@@ -91,9 +91,18 @@ class RouterSim(Strict):
                         "the edges; arrivals go to them in turn (a front load balancer)")
     admission: bool = Field(_ROUTING.admission, description="routing.admission")
     admission_margin: float = Field(_ROUTING.admission_margin, ge=1.0, description="routing.admission_margin")
+    admission_margin_max: float | None = Field(_ROUTING.admission_margin_max, ge=1.0,
+                                               description="routing.admission_margin_max")
+    admission_feedback: AdmissionFeedback = Field(_ROUTING.admission_feedback,
+                                                  description="routing.admission_feedback")
     probe_after_s: float = Field(_ROUTING.probe_after_s, gt=0, description="routing.probe_after_s")
     pack_slack: float = Field(_ROUTING.pack_slack, ge=0, le=1, description="routing.pack_slack (slo_pack)")
     pack_spare: float = Field(_ROUTING.pack_spare, ge=0, le=1, description="routing.pack_spare (slo_pack)")
+
+    @model_validator(mode="after")
+    def _margins(self) -> RouterSim:
+        check_margins(self.admission_margin, self.admission_margin_max)
+        return self
 
 
 class SweepConfig(Strict):

@@ -316,6 +316,7 @@ class SimEdge:
             if s.want_logits:
                 if r.first_token_at is None:
                     r.first_token_at = now
+                    self.world.first_token(r, self, now)
                 r.out_ids.append(0)
                 if len(r.out_ids) >= r.max_tokens:
                     self._ended(r, now, "length")

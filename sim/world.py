@@ -39,6 +39,7 @@ from collm.edge_client.engine.co_schedule import make_policy
 from collm.lab.bench_config import edge_policy, is_collm, mode_roles, router_policy
 from collm.router import fleet
 from collm.router.config import HealthConfig, RoutingConfig
+from collm.router.admission import AdmissionController
 from collm.router.policy import EdgeView, RequestView, unattainable
 from collm.router.requests import ROLE_MARKER_TOKENS
 from collm.sim.config import SimConfig
@@ -200,14 +201,25 @@ class World(FederationRounds):
         e = self.serving[k]
         # the edge prefills its chat template's tokens too (a trace counts the message alone)
         r = SimRequest(i, self._point, now, tr.prompt_tokens + e.p.template_tokens, tr.output_tokens, self.slo)
-        if cfg.router.admission and unattainable(d, cfg.router.admission_margin):  # the slo rules estimate; others do not
+        shard = k % self.shards
+        if cfg.router.admission and unattainable(d, self.admissions[shard].update(now, self.waiting[shard].values())):
             self._record(r, -1, "refused", None, None)
             return
         if not e.arrive(r, now):
             self._record(r, e.index, "refused", None, None)
+            self.admissions[shard].shed(now)  # the edge's 429: its queue is full
             return
         self.outstanding[k] += 1
         self.last_sent[k] = now
+        self.waiting[shard][r.index, r.point] = (now, r.slo.ttft_s)
+
+    def first_token(self, r: SimRequest, edge: SimEdge, now: float) -> None:
+        """The edge's router relays the first token (its admission learns the TTFT; the client sees it a
+        round trip after the edge measured it)."""
+        k = self._row.get(edge.name)
+        if k is not None:
+            self.waiting[k % self.shards].pop((r.index, r.point), None)
+            self.admissions[k % self.shards].observe(now, now - r.arrival + self.cfg.network.rtt_s, r.slo.ttft_s)
 
     def finished(self, r: SimRequest, edge: SimEdge, now: float, status: str, ttft: float | None,
                  tpot: float | None) -> None:
@@ -217,6 +229,10 @@ class World(FederationRounds):
             self.outstanding[k] -= 1
         if status != "length":
             self._record(r, edge.index, status, None, None)
+            if k is not None:
+                self.waiting[k % self.shards].pop((r.index, r.point), None)
+                if status == "expired":  # shed as late: the edge's 429
+                    self.admissions[k % self.shards].shed(now)
             return
         ttft += self.cfg.network.rtt_s
         edge.finished += 1
@@ -245,6 +261,10 @@ class World(FederationRounds):
         self.shards = min(self.cfg.router.shards, max(S, 1))
         self._shard_rows = [np.arange(k, S, self.shards) for k in range(self.shards)]
         self._shard_names = [[self.names[j] for j in rows] for rows in self._shard_rows]
+        r = self.cfg.router
+        self.waiting: list[dict[tuple[int, int], tuple[float, float]]] = [{} for _ in range(self.shards)]
+        self.admissions = [AdmissionController.from_settings(r.admission_margin, r.admission_margin_max,
+                                                             r.admission_feedback) for _ in range(self.shards)]
 
     def _columns(self, now: float, shard: int = 0) -> fleet.Columns:
         """The rule's input: the serving edges' last scrapes (older than stale_after: only the router's

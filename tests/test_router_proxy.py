@@ -323,6 +323,39 @@ def test_admission_refuses_what_no_edge_can_start_in_time_and_best_effort_goes_t
     assert ok.status_code == 200 and 0 < float(ok.headers["X-CoLLM-Soonest-TTFT"]) <= 1.0
 
 
+def test_admission_loosens_after_first_tokens_with_room_and_tightens_on_edge_429s(fakes):
+    """The adaptive margin over real HTTP: streamed first tokens that come fast loosen it, so a request
+    whose soonest estimate is 1.5x its target goes through; edges answering 429 tighten it again."""
+    a, b = fakes
+    r = LiveRouter(router_config([(e.name, e.url) for e in fakes], routing={
+        "seed": 0, "admission_margin_max": 2.0, "typical_output_tokens": 2,  # what the fakes answer: estimates hold
+        "admission_feedback": {"period_s": 0.05, "min_requests": 3, "step": 1.0, "cool_s": 60}}))
+    try:
+        a.queue = b.queue = 30  # the fake edges' costs: an estimate of seconds
+        r.wait_for(lambda: all(r.edge(n).scrape.queue_depth == 30 for n in "ab"), what="scrape")
+        est = float(post(r, {"prompt": "x", "max_tokens": 3, "best_effort": True}).headers["X-CoLLM-Soonest-TTFT"])
+        tight = {"prompt": "x", "max_tokens": 3, "slo": {"ttft_ms": 1000 * est / 1.5}}  # estimate 1.5x its target
+        assert post(r, tight).status_code == 429 and r.router.admission.margin == 1.0
+        for _ in range(4):  # streamed first tokens 0.05 s after sending, against the edges' 1 s target
+            assert post(r, {"prompt": "x", "stream": True, "max_tokens": 2, "best_effort": True}).status_code == 200
+        time.sleep(0.06)
+        ok = post(r, tight)
+        assert ok.status_code == 200 and float(ok.headers["X-CoLLM-Soonest-TTFT"]) > est / 1.5
+        assert r.router.admission.margin == 2.0
+        assert "collm_router_admission_margin 2.0" in httpx.get(r.url + "/metrics").text
+        a.mode = b.mode = "429"  # queue full: each request is tried on both edges, two 429s
+        for _ in range(2):
+            assert post(r, {"prompt": "x", "max_tokens": 3, "best_effort": True}).status_code == 429
+        time.sleep(0.06)
+        calls = a.calls + b.calls
+        refused = post(r, tight)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "slo_unattainable"
+        assert a.calls + b.calls == calls and r.router.admission.margin == 1.0  # refused at the router
+        assert not r.router.awaiting  # every try left the waiting list, streamed or answered, served or not
+    finally:
+        r.close()
+
+
 def test_mid_stream_failure_ends_with_an_sse_error_event(router, fakes):
     for e in fakes:
         e.mode = "die_mid_stream"

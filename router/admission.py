@@ -1,0 +1,102 @@
+"""How strict is admission now? The router's admission margin, set from the first tokens it relays.
+
+Admission (`policy.unattainable`) refuses a request when even the soonest edge's estimated TTFT is past
+`margin` times its target. No fixed margin is right at every load (docs/benchmarks.md, the margin A/B):
+below capacity the estimate is pessimistic inside short spikes, and a margin of 1 refused 5% of the
+requests that would have met their SLOs (a margin of 2 served them all); past capacity the short queue
+that a margin of 1 keeps is worth 13% more goodput than a margin of 2. What tells the two apart is what
+the admitted requests actually got: below capacity their first tokens come with room to spare, past it
+they come near or past their targets.
+
+So `AdmissionController` moves the margin between `admission_margin` (the tightest) and
+`admission_margin_max` from measured first tokens, the shape of the edges' co-execution controller
+(`edge_client/engine/controller.py`): every `period_s` it takes the `quantile` of TTFT / target over
+the first tokens of the last `window_s` seconds, slack s = 1 - that;
+
+* s below `slack_low` (with the defaults: more than 10% of recent first tokens were late): the margin
+  drops to its tightest at once (a queue is building, and refusing is what keeps it short);
+* s above `slack_high`: the margin grows by `step` (loosening is slow, tightening is immediate);
+* in between, or fewer than `min_requests` fresh first tokens (no evidence): it holds.
+
+A request an edge turned away after admission let it through (429: its queue was full, or it waited
+past its TTFT target and was shed) counts as a first token at `SHED_RATIO` times its target: it is
+the lateness a queue causes, and an edge that sheds produces no first token to show it. Requests the
+router itself refused teach it nothing, so a router that refuses everything cannot talk itself looser;
+an idle router keeps the margin it had. Pure and clock-free: collm-router
+and collm-sim feed it the same observations and read `margin`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+
+from collm.common.stats import percentile
+
+SHED_RATIO = 2.0  # an edge's 429 after admission counts as a first token at twice its target (a late one)
+
+
+class AdmissionController:
+    """The admission margin from measured TTFT slack: additive loosening, an immediate cut to the tightest."""
+
+    def __init__(self, lo: float = 1.0, hi: float = 1.0, *, period_s: float = 1.0, window_s: float = 30.0,
+                 min_requests: int = 8, quantile: float = 0.9, slack_low: float = 0.1, slack_high: float = 0.2,
+                 step: float = 0.1, cool_s: float = 30.0, max_samples: int = 1000):
+        self.lo, self.hi = lo, max(lo, hi)
+        self.period_s, self.window_s, self.min_requests = period_s, window_s, min_requests
+        self.quantile, self.slack_low, self.slack_high, self.step = quantile, slack_low, slack_high, step
+        self.cool_s = cool_s
+        self._hold_until = -math.inf
+        self.margin = lo
+        self.slack: float | None = None  # the last measured slack (None: no evidence)
+        self.action = "start"  # what the last period did: up | cut | hold | no-evidence | fixed
+        self._seen: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._tick_at: float | None = None
+
+    @classmethod
+    def from_settings(cls, margin: float, margin_max: float | None, f) -> AdmissionController:
+        """From routing.admission_margin, admission_margin_max (None: fixed) and admission_feedback
+        (router/config.py's `AdmissionFeedback`); collm-router and collm-sim both build it here."""
+        return cls(margin, margin if margin_max is None else margin_max, period_s=f.period_s,
+                   window_s=f.window_s, min_requests=f.min_requests, quantile=f.quantile,
+                   slack_low=f.slack_low, slack_high=f.slack_high, step=f.step, cool_s=f.cool_s)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.hi > self.lo
+
+    def observe(self, now: float, ttft_s: float, ttft_target_s: float) -> None:
+        """A first token relayed at `now`, `ttft_s` after the request was sent, against its own target."""
+        if self.adaptive and ttft_target_s > 0 and math.isfinite(ttft_s) and ttft_s >= 0:
+            self._seen.append((now, ttft_s / ttft_target_s))
+
+    def shed(self, now: float) -> None:
+        """An edge answered 429 to a request admission had let through (queue full or shed as late)."""
+        if self.adaptive:
+            self._seen.append((now, SHED_RATIO))
+
+    def update(self, now: float, waiting: Iterable[tuple[float, float]] = ()) -> float:
+        """The margin to judge a request by at `now` (adjusted at most once a period). `waiting`: (sent at,
+        TTFT target) of the requests sent and still without a first token; each counts by its wait so far
+        (a lower bound of its TTFT), so a queue that builds shows before its first tokens come late."""
+        if not self.adaptive:
+            self.action = "fixed"
+            return self.margin
+        if self._tick_at is not None and now - self._tick_at < self.period_s:
+            return self.margin
+        self._tick_at = now
+        fresh = [r for t, r in self._seen if now - t <= self.window_s]
+        fresh += [(now - t) / target for t, target in waiting if target > 0]
+        if len(fresh) < self.min_requests:
+            self.slack, self.action = None, "no-evidence"
+            return self.margin
+        self.slack = s = 1.0 - percentile(fresh, self.quantile)
+        if s < self.slack_low:
+            self.margin, self.action = self.lo, "cut"
+            self._hold_until = now + self.cool_s
+        elif s > self.slack_high and now >= self._hold_until:
+            self.margin, self.action = min(self.hi, self.margin + self.step), "up"
+        else:
+            self.action = "hold"
+        return self.margin
