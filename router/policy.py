@@ -56,8 +56,9 @@ whose coefficients were fit while it was overloaded would otherwise look slow fo
 (seen in benchmarks/bench_router.py). An idle edge serves a probe at its bare step cost.
 
 Admission (`unattainable`, routing.admission): when even the soonest edge's TTFT^ is past the
-request's target (times routing.admission_margin), the router answers 429 (Retry-After) instead
-of sending it to be served late:
+request's target times a margin (routing.admission_margin; with admission_margin_max above it, the
+margin follows the first tokens the router relays: router/admission.py), the router answers 429
+(Retry-After) instead of sending it to be served late:
 past capacity, a late answer is a miss that also delays the requests behind it. A request that
 asks for best effort (`"best_effort": true`, or the X-CoLLM-Best-Effort header) is always routed.
 

@@ -212,6 +212,12 @@ class EdgeProxy:
             self.admission.observe(time.monotonic(), float(ttft), est.ttft_target_s)
         self._learn_output(tokens if isinstance(tokens, int) else None)
 
+    def _note_first_token(self, held: OpenAttempt, watch: SSEWatch, est: Estimate) -> None:
+        """A stream's first token, once seen: admission learns its TTFT now, not when the stream ends."""
+        if watch.first_token_s is not None:
+            held.first_token()
+            self.admission.observe(time.monotonic(), watch.first_token_s, est.ttft_target_s)
+
     async def _relay(self, edge: EdgeState, est: Estimate, chunks: AsyncIterator[bytes], first: bytes, t0: float,
                      held: OpenAttempt) -> AsyncIterator[bytes]:
         """Pass the edge's stream through as it arrives; a break becomes an SSE error event."""
@@ -219,18 +225,15 @@ class EdgeProxy:
         outcome = "stream_cancelled"
         try:
             watch.feed(first)
-            if watch.first_token_s is not None:
-                held.first_token()
-                self.admission.observe(time.monotonic(), watch.first_token_s, est.ttft_target_s)
+            self._note_first_token(held, watch, est)
             yield first
             try:
                 async for chunk in chunks:
                     edge.last_progress = time.monotonic()
                     had_first = watch.first_token_s is not None
                     watch.feed(chunk)
-                    if not had_first and watch.first_token_s is not None:  # admission learns it now, not at the end
-                        held.first_token()
-                        self.admission.observe(edge.last_progress, watch.first_token_s, est.ttft_target_s)
+                    if not had_first:
+                        self._note_first_token(held, watch, est)
                     yield chunk
                 outcome = "2xx"
             except httpx.HTTPError as e:

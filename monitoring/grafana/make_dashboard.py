@@ -58,6 +58,10 @@ PANELS = [
       ("no healthy edge", "sum(rate(collm_router_no_healthy_edge_total[1m]))")]),
     ("Router", "Healthy edges", "short", "Edges the router routes to.",
      [("healthy", "collm_router_healthy_edges")]),
+    ("Router", "Admission margin", "none",
+     "Admission refuses a request whose soonest estimated TTFT is past this many times its target; it loosens "
+     "while first tokens come with room and drops back when they come late (routing.admission_margin_max).",
+     [("margin", "collm_router_admission_margin")]),
     ("Federation", "Round", "none", "Last complete round, and whether the run still has rounds to go.",
      [("round", "collm_server_round"), ("run active", "collm_server_run_active")]),
     ("Federation", "Round duration", "s", "Wall time of the last complete round and its training deadline.",
