@@ -115,9 +115,10 @@ class RoutingConfig(Strict):
                                                 "times the target (the estimate is pessimistic inside bursts); "
                                                 "the tightest margin when it adapts")
     admission_margin_max: float | None = Field(
-        None, ge=1.0, allow_inf_nan=False, description="the loosest margin: above admission_margin, the margin "
+        2.0, ge=1.0, allow_inf_nan=False, description="the loosest margin: above admission_margin, the margin "
         "follows the first tokens the router relays (loosens while they come with room to spare, drops back at "
-        "once when they come late; router/admission.py); None or equal: a fixed margin")
+        "once when they come late; router/admission.py; same-run A/B in docs/benchmarks.md: a tie on the steady "
+        "trace at 0.8-1.5 x C, 1.03x goodput under bursts); null or equal: a fixed margin")
     admission_feedback: AdmissionFeedback = AdmissionFeedback()
     chars_per_token: float = Field(4.0, gt=0, description="prompt size estimate: characters per token")
     typical_output_tokens: int = Field(64, ge=1, description="prior of the output length of running requests "
