@@ -61,7 +61,8 @@ def start_routers(run: ModeRun, margin: float, tag: str = "") -> dict[str, str]:
     """One collm-router per variant in front of the run's edges; name -> URL."""
     urls = {}
     for name, routing in VARIANTS.items():
-        routing = {**routing, "admission_margin": margin} if routing.get("admission") else routing
+        routing = ({**routing, "admission_margin": margin, "admission_margin_max": None}  # a fixed margin
+                   if routing.get("admission") else routing)
         urls[name] = start_router(run.group, run.out, {e.name: run.urls[e.name] for e in run.edges},
                                   {"routing": routing}, what=f"router {name}",
                                   label=f"router-{tag}{name.replace('+', '-')}")

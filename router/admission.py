@@ -22,8 +22,8 @@ the first tokens of the last `window_s` seconds, slack s = 1 - that;
 Streams the router has sent that have no first token yet count too, by their wait so far (a lower
 bound of their TTFT), so a queue that builds shows before its first tokens come late.
 
-A request an edge turned away after admission let it through (429: its queue was full, or it waited
-past its TTFT target and was shed) counts as a first token at `SHED_RATIO` times its target: it is
+A request an edge turned away for its load (429 `queue_full`, or `slo_unattainable`: it waited past its
+TTFT target and was shed; not an edge's per-key rate limit) counts as a first token at `SHED_RATIO` times its target: it is
 the lateness a queue causes, and an edge that sheds produces no first token to show it. Requests the
 router itself refused teach it nothing, so a router that refuses everything cannot talk itself looser;
 an idle router keeps the margin it had. Pure and clock-free: collm-router and collm-sim feed it the
@@ -49,7 +49,7 @@ class AdmissionController:
 
     def __init__(self, lo: float = 1.0, hi: float = 1.0, *, period_s: float = 1.0, window_s: float = 30.0,
                  min_requests: int = 8, quantile: float = 0.9, slack_low: float = 0.1, slack_high: float = 0.2,
-                 step: float = 0.1, cool_s: float = 30.0, max_samples: int = 1000):
+                 step: float = 0.1, cool_s: float = 30.0, max_samples: int = 100_000):
         self.lo, self.hi = lo, max(lo, hi)
         self.period_s, self.window_s, self.min_requests = period_s, window_s, min_requests
         self.quantile, self.slack_low, self.slack_high, self.step = quantile, slack_low, slack_high, step
@@ -58,7 +58,7 @@ class AdmissionController:
         self.margin = lo
         self.slack: float | None = None  # the last measured slack (None: no evidence)
         self.action = "start"  # what the last period did: up | cut | hold | no-evidence | fixed
-        self._seen: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._seen: deque[tuple[float, float]] = deque(maxlen=max_samples)  # pruned by age; the cap bounds memory
         self._tick_at: float | None = None
 
     @classmethod
@@ -79,7 +79,7 @@ class AdmissionController:
             self._seen.append((now, ttft_s / ttft_target_s))
 
     def shed(self, now: float) -> None:
-        """An edge answered 429 to a request admission had let through (queue full or shed as late)."""
+        """An edge answered 429 for its load: its queue was full, or the request was shed as late."""
         if self.adaptive:
             self._seen.append((now, SHED_RATIO))
 
@@ -93,8 +93,11 @@ class AdmissionController:
         if self._tick_at is not None and now - self._tick_at < self.period_s:
             return self.margin
         self._tick_at = now
-        fresh = [r for t, r in self._seen if now - t <= self.window_s]
-        fresh += [(now - t) / target for t, target in waiting if target > 0]
+        while self._seen and now - self._seen[0][0] > self.window_s:
+            self._seen.popleft()
+        fresh = [r for _, r in self._seen]
+        # a wait counts as at most a shed request: one stuck entry must not hold the margin down forever
+        fresh += [min((now - t) / target, SHED_RATIO) for t, target in waiting if target > 0]
         if len(fresh) < self.min_requests:
             self.slack, self.action = None, "no-evidence"
             return self.margin

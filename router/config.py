@@ -60,11 +60,18 @@ class HealthConfig(Strict):
     cooldown_s: float = Field(1.0, ge=0, description="after a 503 or 429 from an edge, prefer other edges this long")
 
 
-def check_margins(margin: float, margin_max: float | None) -> None:
-    """admission_margin_max below admission_margin is a mistake (the router's and collm-sim's configs)."""
-    if margin_max is not None and margin_max < margin:
-        raise ValueError(f"admission_margin_max ({margin_max:g}) must be at least admission_margin ({margin:g}), "
-                         "the tightest margin; leave it out for a fixed margin")
+def check_margins(cfg) -> None:
+    """The router's and collm-sim's margins: admission_margin_max left at its default below an
+    admission_margin that was set (a config from before the margin adapted) means that fixed margin;
+    set below it explicitly, it is a mistake."""
+    if cfg.admission_margin_max is None or cfg.admission_margin_max >= cfg.admission_margin:
+        return
+    if "admission_margin_max" not in cfg.model_fields_set:
+        cfg.admission_margin_max = None
+        return
+    raise ValueError(f"admission_margin_max ({cfg.admission_margin_max:g}) must be at least admission_margin "
+                     f"({cfg.admission_margin:g}), the tightest margin; set admission_margin_max: null for a fixed "
+                     "margin")
 
 
 class AdmissionFeedback(Strict):
@@ -132,7 +139,7 @@ class RoutingConfig(Strict):
 
     @model_validator(mode="after")
     def _margins(self) -> RoutingConfig:
-        check_margins(self.admission_margin, self.admission_margin_max)
+        check_margins(self)
         return self
 
     @property

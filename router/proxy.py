@@ -38,6 +38,18 @@ SOONEST_HEADER = "X-CoLLM-Soonest-TTFT"  # seconds: the slo rule's TTFT estimate
 PASSED_HEADERS = ("content-type", VERSION_HEADER.lower(), EDGE_HEADER.lower(), "retry-after", "cache-control")
 
 
+LOAD_429_CODES = ("queue_full", "slo_unattainable")  # an edge's 429s for its load (not a key's rate limit)
+
+
+def error_code(content: bytes) -> str | None:
+    """The `error.code` of an OpenAI-style error body, if it has one."""
+    try:
+        code = json.loads(content).get("error", {}).get("code")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return code if isinstance(code, str) else None
+
+
 class AttemptFailed(Exception):
     """An attempt that failed before the client got a byte (may be retried)."""
 
@@ -123,14 +135,14 @@ class EdgeProxy:
         status = up.status_code
         if status in (429, 503):  # overloaded or not ready: leave it alone for a while either way
             edge.cool_down(self.cfg.health.cooldown_s, f"answered {status}")
-        if status == 429:  # queue full or shed as late: what admission let through came too late
+        retried = status >= 500 or (status == 429 and self.cfg.routing.retry_429)
+        content = await (self._read_quietly(up) if retried else up.aread())
+        if status == 429 and error_code(content) in LOAD_429_CODES:  # what admission let through came too late
             self.admission.shed(time.monotonic())
-        if status >= 500 or (status == 429 and self.cfg.routing.retry_429):
-            content = await self._read_quietly(up)
+        if retried:
             self.metrics.failures.labels(edge.name, f"http_{status}").inc()
             self.metrics.responses.labels(edge.name, f"{status // 100}xx").inc()
             raise AttemptFailed(str(status), f"answered {status}", Response(content, status, out_headers))
-        content = await up.aread()
         self.metrics.responses.labels(edge.name, "4xx").inc()
         return Response(content, status, out_headers)
 

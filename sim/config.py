@@ -91,7 +91,7 @@ class RouterSim(Strict):
                         "the edges; arrivals go to them in turn (a front load balancer)")
     admission: bool = Field(_ROUTING.admission, description="routing.admission")
     admission_margin: float = Field(_ROUTING.admission_margin, ge=1.0, description="routing.admission_margin")
-    admission_margin_max: float | None = Field(_ROUTING.admission_margin_max, ge=1.0,
+    admission_margin_max: float | None = Field(_ROUTING.admission_margin_max, ge=1.0, allow_inf_nan=False,
                                                description="routing.admission_margin_max")
     admission_feedback: AdmissionFeedback = Field(_ROUTING.admission_feedback,
                                                   description="routing.admission_feedback")
@@ -101,7 +101,7 @@ class RouterSim(Strict):
 
     @model_validator(mode="after")
     def _margins(self) -> RouterSim:
-        check_margins(self.admission_margin, self.admission_margin_max)
+        check_margins(self)
         return self
 
 

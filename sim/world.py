@@ -205,13 +205,15 @@ class World(FederationRounds):
         if cfg.router.admission and unattainable(d, self.admissions[shard].update(now, self.waiting[shard].values())):
             self._record(r, -1, "refused", None, None)
             return
+        key = (r.index, r.point)
+        self.waiting[shard][key] = (now, r.slo.ttft_s)  # before arriving: an idle edge may shed it at once
         if not e.arrive(r, now):
+            self.waiting[shard].pop(key, None)
             self._record(r, e.index, "refused", None, None)
             self.admissions[shard].shed(now)  # the edge's 429: its queue is full
             return
         self.outstanding[k] += 1
         self.last_sent[k] = now
-        self.waiting[shard][r.index, r.point] = (now, r.slo.ttft_s)
 
     def first_token(self, r: SimRequest, edge: SimEdge, now: float) -> None:
         """The edge's router relays the first token (its admission learns the TTFT; the client sees it a

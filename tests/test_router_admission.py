@@ -89,7 +89,8 @@ def test_requests_still_waiting_count_by_their_wait_so_far():
 
 def test_bad_settings_are_one_line_errors_naming_the_field():
     edges = [{"name": "a", "url": "http://127.0.0.1:1"}]
-    with pytest.raises(UserError, match=r"admission_margin_max \(1.2\) must be at least admission_margin \(1.5\)"):
+    with pytest.raises(UserError, match=r"admission_margin_max \(1.2\) must be at least admission_margin \(1.5\), "
+                       r"the tightest margin; set admission_margin_max: null for a fixed margin"):
         validate_config(RouterConfig, {"edges": edges, "routing": {"admission_margin": 1.5,
                                                                     "admission_margin_max": 1.2}}, "r.yaml")
     with pytest.raises(UserError, match=r"admission_feedback: slack_low \(0.5\) must be below slack_high"):
@@ -99,6 +100,15 @@ def test_bad_settings_are_one_line_errors_naming_the_field():
         validate_config(RouterConfig, {"edges": edges, "routing": {"admission_feedback": {"period_s": 0}}}, "r.yaml")
     with pytest.raises(UserError, match=r"admission_margin_max \(1\) must be at least admission_margin \(2\)"):
         validate_config(SimConfig, {"router": {"admission_margin": 2.0, "admission_margin_max": 1.0}}, "sim.yaml")
+    with pytest.raises(UserError, match=r"router.admission_margin_max"):
+        validate_config(SimConfig, {"router": {"admission_margin_max": float("inf")}}, "sim.yaml")
+    # a config from before the margin adapted: a margin above the default loosest one stays that fixed margin
+    old = validate_config(RouterConfig, {"edges": edges, "routing": {"admission_margin": 2.5}}, "r.yaml").routing
+    assert (old.admission_margin, old.admission_margin_max) == (2.5, None)
+    assert AdmissionController.from_settings(old.admission_margin, old.admission_margin_max,
+                                             old.admission_feedback).adaptive is False
+    one = validate_config(RouterConfig, {"edges": edges, "routing": {"admission_margin": 1.5}}, "r.yaml").routing
+    assert (one.admission_margin, one.admission_margin_max) == (1.5, 2.0)
 
 
 def _fleet(router: dict, rate: float, seed: int):
@@ -126,3 +136,18 @@ def test_simulated_fleet_admits_below_capacity_and_still_refuses_past_it():
     past = {name: sum(_fleet(r, 9.3, s)[0] for s in (0, 1)) for name, r in
             (("fixed", fixed), ("adaptive", adaptive), ("loose", loose))}
     assert past["adaptive"] >= 0.9 * past["fixed"] and past["loose"] < 0.85 * past["fixed"]
+
+
+def test_the_simulated_router_forgets_every_request_once_it_has_its_first_token_or_is_gone():
+    """A request an idle edge sheds the moment it arrives (its own prefill is past a 50 ms target) must
+    not stay on the router's waiting list: it would count as ever later and hold the margin down."""
+    c = SimConfig.model_validate({
+        "devices": [{"profile": "smollm2-cpu1"}], "warmup_s": 0, "ttft_ms": 50, "tpot_ms": 400,
+        "trace": {"start_s": 120, "token_scale": 0.1, "max_prompt_tokens": 96, "max_output_tokens": 4,
+                  "min_output_tokens": 4},
+        "router": {"admission": False}})
+    w = World(c, "serve-only", fleet_profiles(c, 2, load_profile), 0)
+    w.run([trace_segment(load_requests(c), 0.5, 30, 10)], 0.0, 30.0)
+    statuses = collections.Counter(s.status for s in w.out)
+    assert statuses["expired"] > 0 and sum(statuses.values()) == len(w.out)
+    assert not any(w.waiting)

@@ -158,8 +158,9 @@ class FakeEdge:
             if mode in ("500", "503", "429", "400", "404"):
                 status = int(mode)
                 hdr = {"Retry-After": "7"} if status == 429 else {}
+                code = "queue_full" if status == 429 else None  # collm-edge's code for a full queue
                 return JSONResponse({"error": {"message": f"{self.name} says {status}", "type": "x", "param": None,
-                                               "code": None}}, status_code=status, headers=hdr)
+                                               "code": code}}, status_code=status, headers=hdr)
             if body.get("stream"):
                 return StreamingResponse(self.stream(mode, body.get("max_tokens", 5)), media_type="text/event-stream",
                                          headers=self.headers())
