@@ -115,6 +115,9 @@ def sim_decisions() -> list[tuple]:
             self.seq += 1
             heapq.heappush(self.heap, (t, self.seq, "wake", epoch))
 
+        def first_token(self, r, edge, now):  # the world's router learns TTFTs; no router here
+            pass
+
         def finished(self, r, edge, now, status, ttft, tpot):
             self.done += 1
 
