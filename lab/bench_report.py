@@ -70,6 +70,16 @@ def point_ratios(results: dict, resamples: int) -> dict[str, list[dict]]:
     return out
 
 
+def _refused_late(p: dict, ttft_s: float) -> str:
+    """Requests answered 429 (by the router's admission or an edge) / served with a first token past the
+    TTFT target: where an admission change moves its misses. collm-sim's points count refusals only."""
+    if "outcomes" not in p:
+        return f"{p.get('refused', 0) + p.get('expired', 0)} / -" if "refused" in p else "-"
+    oc = p["outcomes"]
+    late = sum(1 for o in oc if o["status"] == 200 and o.get("ttft_s") is not None and o["ttft_s"] > ttft_s)
+    return f"{sum(1 for o in oc if o['status'] == 429)} / {late}"
+
+
 def write_report(results: dict, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "markdown": out / "report.md", "goodput_png": out / "goodput.png",
@@ -270,14 +280,16 @@ def _markdown(results: dict, paths: dict) -> str:
                   "× the capacity the probes found): the probes measured it low, so every point is lighter than "
                   "its name.", ""]
     lines += ["## Every load point", "",
-              "| load | mode | rate (req/s) | requests | attainment | goodput (req/s) | TTFT p50/p90 (s) | "
-              "TPOT p50/p90 (s) | training tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+              "| load | mode | rate (req/s) | requests | refused / late first token | attainment | goodput (req/s) | "
+              "TTFT p50/p90 (s) | TPOT p50/p90 (s) | training tok/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     fractions = [p["fraction"] for p in next(iter(modes.values()))["points"]] if modes else []
+    ttft_s = cfg["ttft_ms"] / 1000
     for i, f in enumerate(fractions):
         for m, r in modes.items():
             p = r["points"][i]
             lines.append(
-                f"| {f:g}× | {m} | {p['rate']:.3f} | {p['requests']} | {_fmt(p['slo_attainment'])}"
+                f"| {f:g}× | {m} | {p['rate']:.3f} | {p['requests']} | {_refused_late(p, ttft_s)} | "
+                f"{_fmt(p['slo_attainment'])}"
                 f"{_ci(*p['attainment_ci'])} | {_fmt(p['goodput_rps'])}{_ci(*p['goodput_ci'], nd=3)} | "
                 f"{_fmt(p['ttft_p50'], 2)}/{_fmt(p['ttft_p90'], 2)} | {_fmt(p['tpot_p50'], 3)}/{_fmt(p['tpot_p90'], 3)} "
                 f"| {p['train_tokens_per_s']:.0f} |")

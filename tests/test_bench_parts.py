@@ -179,6 +179,9 @@ def test_pooled_passes_and_ratios_widened_to_each_passs_own():
                              _mode("serve-only", [1] * 6 + [0] * 2, [0] * 8, [2.5], train=0.0, rounds=0)],
               "collm": [_mode("collm", [1] * 8, [1] * 8, [2.5, 2.4], train=80.0),
                         _mode("collm", [1] * 4 + [0] * 4, [1] * 8, [2.5, 2.3], train=40.0)]}
+    slow = passes["collm"][1]["points"][0]["outcomes"]  # two of pass 2's misses: one refused, one late (1 s target)
+    slow[5].update(status=429, ttft_s=None, tpot_s=None, miss="failed")
+    slow[6].update(ttft_s=10.0, miss="ttft")
     for rs in passes.values():
         for r in rs:
             add_quality(r, 2.5, 200)
@@ -206,6 +209,8 @@ def test_pooled_passes_and_ratios_widened_to_each_passs_own():
         report = paths["markdown"].read_text()
         assert "## Quality-weighted goodput" in report and "(passes 1.00, 0.67)" in report
         assert "Modes ran in this order: serve-only (pass 1), collm (pass 1)" in report
+        assert "| 0.5× | collm | 0.800 | 16 | 1 / 1 |" in report  # refused / late first token, both passes
+        assert "| 0.5× | serve-only | 0.800 | 16 | 0 / 0 |" in report
         assert paths["tradeoff_png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     row = results["ratios"]["collm/serve-only"][0]
     assert row["goodput_ratio"] == pytest.approx(12 / 14) and row["ci"] == pytest.approx(w["ci"])
