@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from collm.common.stats import percentile
+from collm.router.config import AdmissionFeedback
 
 SHED_RATIO = 2.0  # an edge's 429 after admission counts as a first token at twice its target (a late one)
 
@@ -47,27 +48,21 @@ SHED_RATIO = 2.0  # an edge's 429 after admission counts as a first token at twi
 class AdmissionController:
     """The admission margin from measured TTFT slack: additive loosening, an immediate cut to the tightest."""
 
-    def __init__(self, lo: float = 1.0, hi: float = 1.0, *, period_s: float = 1.0, window_s: float = 30.0,
-                 min_requests: int = 8, quantile: float = 0.9, slack_low: float = 0.1, slack_high: float = 0.2,
-                 step: float = 0.1, cool_s: float = 30.0, max_samples: int = 100_000):
-        self.lo, self.hi = lo, max(lo, hi)
-        self.period_s, self.window_s, self.min_requests = period_s, window_s, min_requests
-        self.quantile, self.slack_low, self.slack_high, self.step = quantile, slack_low, slack_high, step
-        self.cool_s = cool_s
+    def __init__(self, lo: float = 1.0, hi: float | None = None, feedback: AdmissionFeedback | None = None,
+                 max_samples: int = 100_000):
+        """`lo`, `hi`: routing.admission_margin and admission_margin_max (None: a fixed margin); `feedback`:
+        routing.admission_feedback. collm-router and collm-sim both build it from those settings."""
+        self.lo, self.hi = lo, lo if hi is None else max(lo, hi)
+        f = feedback or AdmissionFeedback()
+        self.period_s, self.window_s, self.min_requests = f.period_s, f.window_s, f.min_requests
+        self.quantile, self.slack_low, self.slack_high, self.step = f.quantile, f.slack_low, f.slack_high, f.step
+        self.cool_s = f.cool_s
         self._hold_until = -math.inf
         self.margin = lo
         self.slack: float | None = None  # the last measured slack (None: no evidence)
         self.action = "start"  # what the last period did: up | cut | hold | no-evidence | fixed
         self._seen: deque[tuple[float, float]] = deque(maxlen=max_samples)  # pruned by age; the cap bounds memory
         self._tick_at: float | None = None
-
-    @classmethod
-    def from_settings(cls, margin: float, margin_max: float | None, f) -> AdmissionController:
-        """From routing.admission_margin, admission_margin_max (None: fixed) and admission_feedback
-        (router/config.py's `AdmissionFeedback`); collm-router and collm-sim both build it here."""
-        return cls(margin, margin if margin_max is None else margin_max, period_s=f.period_s,
-                   window_s=f.window_s, min_requests=f.min_requests, quantile=f.quantile,
-                   slack_low=f.slack_low, slack_high=f.slack_high, step=f.step, cool_s=f.cool_s)
 
     @property
     def adaptive(self) -> bool:

@@ -94,8 +94,7 @@ class Router(EdgeProxy):
         self.counter = 0
         self.typical_output = float(cfg.routing.typical_output_tokens)
         self.awaiting: dict = {}  # tries without a first token yet -> (sent at, TTFT target): admission reads them
-        self.admission = AdmissionController.from_settings(r.admission_margin, r.admission_margin_max,
-                                                            r.admission_feedback)
+        self.admission = AdmissionController(r.admission_margin, r.admission_margin_max, r.admission_feedback)
         self.metrics = RouterMetrics(self)
         self._transport = transport
         self.client: httpx.AsyncClient | None = None

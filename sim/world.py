@@ -220,8 +220,9 @@ class World(FederationRounds):
         round trip after the edge measured it)."""
         k = self._row.get(edge.name)
         if k is not None:
-            self.waiting[k % self.shards].pop((r.index, r.point), None)
-            self.admissions[k % self.shards].observe(now, now - r.arrival + self.cfg.network.rtt_s, r.slo.ttft_s)
+            shard = k % self.shards
+            self.waiting[shard].pop((r.index, r.point), None)
+            self.admissions[shard].observe(now, now - r.arrival + self.cfg.network.rtt_s, r.slo.ttft_s)
 
     def finished(self, r: SimRequest, edge: SimEdge, now: float, status: str, ttft: float | None,
                  tpot: float | None) -> None:
@@ -232,9 +233,10 @@ class World(FederationRounds):
         if status != "length":
             self._record(r, edge.index, status, None, None)
             if k is not None:
-                self.waiting[k % self.shards].pop((r.index, r.point), None)
+                shard = k % self.shards
+                self.waiting[shard].pop((r.index, r.point), None)
                 if status == "expired":  # shed as late: the edge's 429
-                    self.admissions[k % self.shards].shed(now)
+                    self.admissions[shard].shed(now)
             return
         ttft += self.cfg.network.rtt_s
         edge.finished += 1
@@ -265,8 +267,8 @@ class World(FederationRounds):
         self._shard_names = [[self.names[j] for j in rows] for rows in self._shard_rows]
         r = self.cfg.router
         self.waiting: list[dict[tuple[int, int], tuple[float, float]]] = [{} for _ in range(self.shards)]
-        self.admissions = [AdmissionController.from_settings(r.admission_margin, r.admission_margin_max,
-                                                             r.admission_feedback) for _ in range(self.shards)]
+        self.admissions = [AdmissionController(r.admission_margin, r.admission_margin_max, r.admission_feedback)
+                           for _ in range(self.shards)]
 
     def _columns(self, now: float, shard: int = 0) -> fleet.Columns:
         """The rule's input: the serving edges' last scrapes (older than stale_after: only the router's

@@ -13,7 +13,7 @@ from collm.common.config import validate_config
 from collm.common.errors import UserError
 from collm.common.traces import trace_segment
 from collm.router.admission import SHED_RATIO, AdmissionController
-from collm.router.config import RouterConfig
+from collm.router.config import AdmissionFeedback, RouterConfig
 from collm.sim.config import SimConfig
 from collm.sim.profile import load_profile
 from collm.sim.run import load_requests
@@ -28,7 +28,7 @@ def fast(c: AdmissionController, now: float, n: int = 10, ratio: float = 0.3) ->
 
 
 def test_a_fixed_margin_never_moves():
-    c = AdmissionController(1.5, 1.5, period_s=1.0, min_requests=1)
+    c = AdmissionController(1.5, 1.5, AdmissionFeedback(period_s=1.0, min_requests=1))
     for t in range(20):
         fast(c, float(t), ratio=0.1 if t < 10 else 3.0)
         assert c.update(float(t)) == 1.5
@@ -36,7 +36,7 @@ def test_a_fixed_margin_never_moves():
 
 
 def test_first_tokens_with_room_loosen_it_step_by_step_up_to_the_loosest():
-    c = AdmissionController(1.0, 2.0, period_s=1.0, min_requests=5, step=0.25)
+    c = AdmissionController(1.0, 2.0, AdmissionFeedback(period_s=1.0, min_requests=5, step=0.25))
     assert c.update(0.0) == 1.0 and c.action == "no-evidence"  # nothing relayed yet: the tightest
     margins = []
     for t in range(1, 8):
@@ -47,7 +47,8 @@ def test_first_tokens_with_room_loosen_it_step_by_step_up_to_the_loosest():
 
 
 def test_late_first_tokens_tighten_it_at_once_and_it_stays_tight_while_cooling():
-    c = AdmissionController(1.0, 2.0, period_s=1.0, min_requests=5, step=1.0, cool_s=10.0, window_s=5.0)
+    c = AdmissionController(1.0, 2.0, AdmissionFeedback(period_s=1.0, min_requests=5, step=1.0, cool_s=10.0,
+                                                         window_s=5.0))
     fast(c, 1.0)
     assert c.update(1.0) == 2.0
     fast(c, 2.0, n=3, ratio=1.2)  # 3 of 13 came late: the 90th percentile is past the target
@@ -58,7 +59,7 @@ def test_late_first_tokens_tighten_it_at_once_and_it_stays_tight_while_cooling()
 
 
 def test_slack_in_the_dead_band_holds_and_no_evidence_keeps_the_margin():
-    c = AdmissionController(1.0, 2.0, period_s=1.0, min_requests=5, step=0.5, window_s=5.0)
+    c = AdmissionController(1.0, 2.0, AdmissionFeedback(period_s=1.0, min_requests=5, step=0.5, window_s=5.0))
     fast(c, 1.0)
     assert c.update(1.0) == 1.5
     fast(c, 2.0, n=20, ratio=0.85)  # slack 0.15: between slack_low 0.1 and slack_high 0.2
@@ -67,7 +68,7 @@ def test_slack_in_the_dead_band_holds_and_no_evidence_keeps_the_margin():
 
 
 def test_an_edge_429_counts_as_a_late_first_token():
-    c = AdmissionController(1.0, 2.0, period_s=1.0, min_requests=5, step=1.0)
+    c = AdmissionController(1.0, 2.0, AdmissionFeedback(period_s=1.0, min_requests=5, step=1.0))
     fast(c, 1.0)
     assert c.update(1.0) == 2.0
     for k in range(3):  # queue full or shed as late after admission let them through
@@ -78,7 +79,7 @@ def test_an_edge_429_counts_as_a_late_first_token():
 
 def test_requests_still_waiting_count_by_their_wait_so_far():
     """A queue that builds tightens admission before its first tokens come late."""
-    c = AdmissionController(1.0, 2.0, period_s=1.0, min_requests=5, step=1.0)
+    c = AdmissionController(1.0, 2.0, AdmissionFeedback(period_s=1.0, min_requests=5, step=1.0))
     fast(c, 1.0)
     assert c.update(1.0) == 2.0
     waiting = [(2.0 - 0.1 * k, T) for k in range(5)]  # sent 0..0.4 s ago: no harm yet
@@ -105,8 +106,7 @@ def test_bad_settings_are_one_line_errors_naming_the_field():
     # a config from before the margin adapted: a margin above the default loosest one stays that fixed margin
     old = validate_config(RouterConfig, {"edges": edges, "routing": {"admission_margin": 2.5}}, "r.yaml").routing
     assert (old.admission_margin, old.admission_margin_max) == (2.5, None)
-    assert AdmissionController.from_settings(old.admission_margin, old.admission_margin_max,
-                                             old.admission_feedback).adaptive is False
+    assert not AdmissionController(old.admission_margin, old.admission_margin_max, old.admission_feedback).adaptive
     one = validate_config(RouterConfig, {"edges": edges, "routing": {"admission_margin": 1.5}}, "r.yaml").routing
     assert (one.admission_margin, one.admission_margin_max) == (1.5, 2.0)
 
