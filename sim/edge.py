@@ -384,6 +384,19 @@ class SimEdge:
             self.train_tokens += tokens
         self.core.after_units(job, now)
 
+    def train_tokens_at(self, now: float) -> int:
+        """Training tokens of the micro-batches completed by `now`. A stretch of units in flight credits
+        its micro-batches to `train_tokens` when it ends (an idle run fast-forwarded as one event may
+        span a load point's start); the ones it has completed by `now` count here, as the engine's
+        counter would show them, so a window's tokens are the micro-batches completed inside it."""
+        tokens = self.train_tokens
+        if self.act is not None and self.act[0] in (TRAIN, PASS, UNIT):
+            _, start, _, (job, units, _, _, u) = self.act
+            if job.kind == "train":
+                done = min(units, int((now - start) / u + 1e-9))
+                tokens += (job.unit_in_mb + done) // job.units * job.mb_tokens
+        return tokens
+
     def carried_tokens(self) -> int:
         c = self.core.carry
         return c.tokens if c is not None else 0

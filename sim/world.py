@@ -328,4 +328,4 @@ class World(FederationRounds):
                 "beside": beside1 - beside0, "fin": fin, "attainment": att}
 
     def _train_tokens(self) -> int:
-        return sum(e.train_tokens for e in self.edges)
+        return sum(e.train_tokens_at(self.now) for e in self.edges)

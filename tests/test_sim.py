@@ -120,6 +120,20 @@ def test_an_idle_edge_trains_back_to_back_and_an_arrival_waits_only_for_the_unit
     assert e.core.job is not None and e.core.job.unit_in_mb == 0 and e.beside_s == 0.0
 
 
+def test_a_load_point_counts_only_the_micro_batches_completed_inside_it():
+    """Idle training before a point runs as one fast-forwarded stretch that the point's first arrival
+    cuts; the micro-batches it completed before the point started belong to the time before it (they
+    were credited to the point, which made collm-sim's training optimistic after every idle gap)."""
+    c = cfg(federation={"round_deadline_s": 100, "round_token_budget": 100_000, "rounds": 1})
+    w = world(c, "collm", 1)
+    (span,) = w.run([[TraceRequest(0.05, 10, 2)]], 5.0, 0.0)["spans"]  # 5 s of warmup, then one request
+    e = w.edges[0]
+    # units of 0.1 s from 0.1 s: micro-batches complete at 1.1, 2.1, 3.1, 4.1 (before the point) and
+    # 5.1 (the unit in flight when the request came: inside it)
+    assert e.train_tokens == 500 and span["start"] == pytest.approx(5.0)
+    assert span["train_tokens"] == 100
+
+
 def test_the_naive_policy_runs_a_micro_batch_after_every_step():
     c = cfg(federation={"round_deadline_s": 100, "round_token_budget": 100_000, "rounds": 1})
     w = world(c, "colocated-naive", 1)
