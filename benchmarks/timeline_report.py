@@ -15,6 +15,15 @@ much slower the replica's steps were than its median step of the same shape over
 neighbour on shared memory bandwidth, or a process on its core, shows up there, not as training).
 Then, per load point, pass and replica, the shares of the point's window each replica spent in
 serving steps, training units, evaluation units and neither (where the replicas' time went).
+
+Last, when the run has serve-only, isolated and a co-located mode, the ceiling idle time sets: per load
+point, the replica-seconds per second serve-only's replicas spent in neither (idle, for a co-located
+trainer that only takes what serving leaves), against the replica-seconds per second the isolated
+trainer spends in training and evaluation units. Their ratio is the training a co-located deployment
+reaches against the isolated trainer if it takes every idle second of serve-only and nothing from
+serving, at the same tokens per background second; each co-located mode's own background time and
+measured training ratio stand beside it. Past the ceiling training must take time serving needs
+(or serving must get cheaper with training beside it: requests batched while a unit runs).
 """
 
 from __future__ import annotations
@@ -157,6 +166,39 @@ def replica_rows(loaded: list[tuple[list[dict], dict]]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["fraction"], r["pass"], r["replica"]))
 
 
+def background_per_point(rows: list[dict], replicas=lambda name: True, kinds=("train", "eval")) -> dict[float, float]:
+    """Per load point: replica-seconds per second the chosen replicas spent in `kinds`, summed over them
+    and averaged over passes (from `replica_rows`)."""
+    by: dict[float, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for r in rows:
+        if replicas(r["replica"]):
+            by[r["fraction"]][r["pass"]] += sum(r[k] for k in kinds)
+    return {f: statistics.fmean(passes.values()) for f, passes in by.items()}
+
+
+def ceiling_rows(replicas_by_mode: dict[str, list[dict]], results: dict) -> list[dict]:
+    """Per load point and co-located mode: serve-only's idle replica-seconds per second, the isolated
+    trainer's background (training and evaluation) replica-seconds per second, their ratio (the
+    ceiling), the mode's own background replica-seconds per second and its measured training ratio
+    against isolated. [] unless serve-only, isolated and a co-located mode have timelines."""
+    if "serve-only" not in replicas_by_mode or "isolated" not in replicas_by_mode:
+        return []
+    idle = background_per_point(replicas_by_mode["serve-only"], kinds=("other",))
+    trainer = background_per_point(replicas_by_mode["isolated"], replicas=lambda n: n.startswith("train"))
+    iso_tok = {p["fraction"]: p["train_tokens_per_s"] for p in results["modes"]["isolated"]["points"]}
+    rows = []
+    for mode, rr in replicas_by_mode.items():
+        if mode in ("serve-only", "isolated"):
+            continue
+        own = background_per_point(rr)
+        tok = {p["fraction"]: p["train_tokens_per_s"] for p in results["modes"][mode]["points"]}
+        for f in sorted(set(idle) & set(trainer) & set(own)):
+            rows.append({"fraction": f, "mode": mode, "idle": idle[f], "trainer": trainer[f],
+                         "ceiling": idle[f] / trainer[f] if trainer[f] else None, "own": own[f],
+                         "measured": tok[f] / iso_tok[f] if iso_tok.get(f) else None})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="a collm-bench output folder run with `timeline: true`")
@@ -171,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(modes) - set(results["modes"]))
     if unknown:
         ap.error(f"--modes: {unknown} not in this run; it has {sorted(results['modes'])}")
+    replicas_by_mode = {}
     for mode in modes:
         loaded = load_mode(results, out, mode)
         if not loaded:
@@ -183,10 +226,19 @@ def main(argv: list[str] | None = None) -> int:
                     [[f"{r['fraction']:g}x", r["group"], r["n"], f"{r['step']:.2f}", f"{r['train']:.2f}",
                       f"{r['eval']:.2f}", f"{r['other']:.2f}", f"{r['life_s']:.2f}",
                       "-" if r["slowdown"] is None else f"{r['slowdown']:.2f}"] for r in rows]))
+        replicas_by_mode[mode] = replica_rows(loaded)
         print(f"\n{mode}: share of each load point's window each replica spent in ...")
         print(table(["load", "pass", "replica", "serving steps", "training units", "eval units", "neither"],
                     [[f"{r['fraction']:g}x", r["pass"], r["replica"], f"{r['step']:.2f}", f"{r['train']:.2f}",
-                      f"{r['eval']:.2f}", f"{r['other']:.2f}"] for r in replica_rows(loaded)]))
+                      f"{r['eval']:.2f}", f"{r['other']:.2f}"] for r in replicas_by_mode[mode]]))
+    ceiling = ceiling_rows(replicas_by_mode, results)
+    if ceiling:
+        print("\nThe ceiling idle time sets (replica-seconds per second; training ratio against the isolated trainer)")
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        print(table(["load", "mode", "serve-only idle", "isolated trainer busy", "ceiling", "mode's background",
+                     "measured"],
+                    [[f"{r['fraction']:g}x", r["mode"], fmt(r["idle"]), fmt(r["trainer"]), fmt(r["ceiling"]),
+                      fmt(r["own"]), fmt(r["measured"])] for r in ceiling]))
     return 0
 
 

@@ -264,3 +264,39 @@ def test_a_variants_edge_settings_win_over_what_the_bench_sets(tmp_path):
     assert [e.training.max_eval_records for e in variant.edges] == [4, 4]
     assert [e.training.max_eval_records for e in plain.edges] == [8, 8]
     assert variant.edges[0].training.co_schedule == cfg.co_schedule  # the rest of what the bench sets stays
+
+
+def test_the_ceiling_is_serve_onlys_idle_time_over_the_isolated_trainers_busy_time():
+    """benchmarks/timeline_report.py's last table: what a co-located deployment could train against the
+    isolated trainer from serve-only's idle time alone, beside what each co-located mode spent and got."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from timeline_report import ceiling_rows
+
+    def row(f, k, replica, step=0.0, train=0.0, eval=0.0):
+        return {"fraction": f, "pass": k, "replica": replica, "step": step, "train": train, "eval": eval,
+                "other": 1.0 - step - train - eval}
+
+    by_mode = {
+        "serve-only": [row(0.3, 1, "serve0", step=0.6), row(0.3, 1, "serve1", step=0.6),    # idle 0.8 ...
+                       row(0.3, 2, "serve0", step=0.5), row(0.3, 2, "serve1", step=0.5),    # ... and 1.0: 0.9
+                       row(0.8, 1, "serve0", step=0.97), row(0.8, 1, "serve1", step=0.97)],
+        "isolated": [row(0.3, 1, "serve0", step=0.85), row(0.3, 1, "train1", train=0.8, eval=0.15),
+                     row(0.8, 1, "serve0", step=0.99), row(0.8, 1, "train1", train=0.9, eval=0.05)],
+        "collm": [row(0.3, 1, "serve-train0", step=0.5, train=0.35, eval=0.1),
+                  row(0.3, 1, "serve-train1", step=0.5, train=0.35, eval=0.1),
+                  row(0.8, 1, "serve-train0", step=0.96, train=0.02), row(0.8, 1, "serve-train1", step=0.94)],
+    }
+    results = {"modes": {"isolated": {"points": [{"fraction": 0.3, "train_tokens_per_s": 80.0},
+                                                 {"fraction": 0.8, "train_tokens_per_s": 80.0}]},
+                         "collm": {"points": [{"fraction": 0.3, "train_tokens_per_s": 70.0},
+                                              {"fraction": 0.8, "train_tokens_per_s": 8.0}]}}}
+    low, high = ceiling_rows(by_mode, results)
+    assert (low["fraction"], low["mode"]) == (0.3, "collm")
+    assert low["idle"] == pytest.approx(0.9) and low["trainer"] == pytest.approx(0.95)  # passes averaged
+    assert low["ceiling"] == pytest.approx(0.9 / 0.95) and low["own"] == pytest.approx(0.9)
+    assert low["measured"] == pytest.approx(70 / 80)
+    assert high["ceiling"] == pytest.approx(0.06 / 0.95) and high["own"] == pytest.approx(0.02)
+    assert high["measured"] == pytest.approx(0.1)
+    assert ceiling_rows({"collm": by_mode["collm"], "isolated": by_mode["isolated"]}, results) == []
