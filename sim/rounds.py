@@ -16,7 +16,8 @@ from collm.common.protocol import LoadReport
 from collm.lab.bench_config import is_collm
 from collm.server.balancer import BALANCERS, balancer_params
 from collm.server.config import BalancerConfig
-from collm.sim.edge import SimEdge, SimJob
+from collm.sim.edge import SimEdge
+from collm.sim.jobs import SimJob
 
 SERVER = 3  # the world's event kind for a round's phase (after ARRIVE, WAKE, TICK)
 QUERY, TRAIN, AGGREGATE, SWAP, RELOAD = range(5)  # the phases

@@ -26,7 +26,8 @@ from collm.edge_client.model.loading import load_model
 from collm.edge_client.model.sampling import SamplingParams
 from collm.edge_client.training.data import load_edge_data
 from collm.edge_client.training.jobs import TrainBudget
-from collm.sim.edge import SimEdge, SimJob, SimRequest
+from collm.sim.edge import SimEdge, SimRequest
+from collm.sim.jobs import SimJob
 from collm.sim.profile import EdgeProfile
 
 STEP_S, UNIT_S = 0.05, 0.02

@@ -21,7 +21,7 @@ long things take, and computes the steps and units the core plans. A loop pass, 
 Requests are objects with the engine `Request`'s fields (arrival, prompt_ids, prefilled, out_ids,
 slot, adapter, first_token_at, cancelled, slo, prefill_left, decoding). Jobs have `kind`, `started`,
 `carry_after`, `start(now)`, `done()`, `past_deadline(now)`, `absorb(carry)`, `make_carry()` and
-`finish(deadline_hit, now)` (`training.jobs.BackgroundJob`, `sim.edge.SimJob`).
+`finish(deadline_hit, now)` (`training.jobs.BackgroundJob`, `sim.jobs.SimJob`).
 """
 
 from __future__ import annotations
