@@ -26,7 +26,8 @@ A request an edge turned away for its load (429 `queue_full`, or `slo_unattainab
 TTFT target and was shed; not an edge's per-key rate limit) counts as a first token at `SHED_RATIO` times its target: it is
 the lateness a queue causes, and an edge that sheds produces no first token to show it. Requests the
 router itself refused teach it nothing, so a router that refuses everything cannot talk itself looser;
-an idle router keeps the margin it had. Pure and clock-free: collm-router and collm-sim feed it the
+an idle router keeps the margin it had. The slack is measured even with a fixed margin: it is also what
+opens and closes slo_pack's gathering (routing.pack_gate, `policy.policy_now`). Pure and clock-free: collm-router and collm-sim feed it the
 same observations and read `margin`.
 
 Measured (docs/benchmarks.md, 2026-12-05): against a fixed margin of 1 in the same run, a tie on the
@@ -70,21 +71,18 @@ class AdmissionController:
 
     def observe(self, now: float, ttft_s: float, ttft_target_s: float) -> None:
         """A first token relayed at `now`, `ttft_s` after the request was sent, against its own target."""
-        if self.adaptive and ttft_target_s > 0 and math.isfinite(ttft_s) and ttft_s >= 0:
+        if ttft_target_s > 0 and math.isfinite(ttft_s) and ttft_s >= 0:
             self._seen.append((now, ttft_s / ttft_target_s))
 
     def shed(self, now: float) -> None:
         """An edge answered 429 for its load: its queue was full, or the request was shed as late."""
-        if self.adaptive:
-            self._seen.append((now, SHED_RATIO))
+        self._seen.append((now, SHED_RATIO))
 
     def update(self, now: float, waiting: Iterable[tuple[float, float]] = ()) -> float:
         """The margin to judge a request by at `now` (adjusted at most once a period). `waiting`: (sent at,
         TTFT target) of the requests sent and still without a first token; each counts by its wait so far
-        (a lower bound of its TTFT), so a queue that builds shows before its first tokens come late."""
-        if not self.adaptive:
-            self.action = "fixed"
-            return self.margin
+        (a lower bound of its TTFT), so a queue that builds shows before its first tokens come late.
+        The slack is measured with a fixed margin too: routing.pack_gate reads it (`policy.policy_now`)."""
         if self._tick_at is not None and now - self._tick_at < self.period_s:
             return self.margin
         self._tick_at = now
@@ -94,10 +92,12 @@ class AdmissionController:
         # a wait counts as at most a shed request: one stuck entry must not hold the margin down forever
         fresh += [min((now - t) / target, SHED_RATIO) for t, target in waiting if target > 0]
         if len(fresh) < self.min_requests:
-            self.slack, self.action = None, "no-evidence"
+            self.slack, self.action = None, "no-evidence" if self.adaptive else "fixed"
             return self.margin
         self.slack = s = 1.0 - percentile(fresh, self.quantile)
-        if s < self.slack_low:
+        if not self.adaptive:
+            self.action = "fixed"
+        elif s < self.slack_low:
             self.margin, self.action = self.lo, "cut"
             self._hold_until = now + self.cool_s
         elif s > self.slack_high and now >= self._hold_until:

@@ -60,7 +60,7 @@ from collm.router.poller import EdgePoller
 from collm.router.proxy import SOONEST_HEADER, EdgeProxy, AttemptFailed
 from collm.router.requests import request_view
 from collm.router.fleet import FleetTable, choose, stale_after
-from collm.router.policy import Assumptions, Decision, Estimate, RequestView, unattainable
+from collm.router.policy import Assumptions, Decision, Estimate, RequestView, policy_now, unattainable
 from collm.router.state import EdgeState
 
 log = logging.getLogger("collm.router")
@@ -150,7 +150,11 @@ class Router(EdgeProxy):
         if pool is None:
             return None
         cols = self.table.columns(pool, stale_after(self.cfg.health.stale_after_s, self.poll_interval()), now)
-        d = choose(self.cfg.routing.policy, cols, x, self.rng, self.counter, self.assumptions())
+        r = self.cfg.routing
+        if r.pack_gate is not None:  # a gated slo_pack reads the slack as measured now (at most once a period)
+            self.admission.update(now, self.awaiting.values())
+        d = choose(policy_now(r.policy, self.admission.slack, r.pack_gate), cols, x, self.rng, self.counter,
+                   self.assumptions())
         self.counter += 1
         est = d.estimate
         edge = self.edges[self.index[d.edge]]

@@ -114,6 +114,10 @@ class RoutingConfig(Strict):
     pack_spare: float = Field(0.3, ge=0, le=1, description="... and at least this spare capacity (the fraction of "
                               "their window not spent serving) go to the edge with the most requests, so the others "
                               "train in idle time")
+    pack_gate: float | None = Field(None, ge=-1, lt=1, allow_inf_nan=False, description="slo_pack policy: gather "
+                                    "only while the measured TTFT slack of the router's recent first tokens (1 - "
+                                    "admission_feedback.quantile of TTFT / target over its window) is at least this; "
+                                    "below it spread as slo (null: always gather)")
     retry_429: bool = Field(True, description="retry a 429 (edge queue full) once on another edge")
     admission: bool = Field(True, description="slo policy: answer 429 when no edge's estimated TTFT meets the "
                             "request's target, unless it asks for best effort")

@@ -244,6 +244,19 @@ def choose_slo(edges: list[EdgeView], x: RequestView, rng: random.Random,
     return Decision(pick.name, ests[pick.name], f"p2c among {len(near)}", soonest)
 
 
+def policy_now(policy: str, measured_slack: float | None, pack_gate: float | None) -> str:
+    """The rule to route by now. `slo_pack` with a `pack_gate` (routing.pack_gate) gathers only while the
+    router's measured TTFT slack (`admission.AdmissionController.slack`: 1 - the 0.9 quantile of TTFT /
+    target over its recent first tokens and waits) is at least the gate, and spreads as `slo` below it.
+    Why: gathering trains more in light load for ~1% of goodput, but a burst that lands on the gathered
+    edge costs far more (-12% in one pass at 0.8 x C, docs/pack-ab-2026-12-05); the estimates cannot see
+    a burst coming, the first tokens show one within a few seconds. No evidence yet (too few first
+    tokens: light load): gather."""
+    if policy != "slo_pack" or pack_gate is None or measured_slack is None or measured_slack >= pack_gate:
+        return policy
+    return "slo"
+
+
 def choose_round_robin(edges: list[EdgeView], counter: int) -> Decision:
     return Decision(edges[counter % len(edges)].name, None, "round_robin")
 

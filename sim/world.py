@@ -40,7 +40,7 @@ from collm.lab.bench_config import edge_policy, is_collm, mode_roles, router_pol
 from collm.router import fleet
 from collm.router.config import HealthConfig, RoutingConfig
 from collm.router.admission import AdmissionController
-from collm.router.policy import EdgeView, RequestView, unattainable
+from collm.router.policy import EdgeView, RequestView, policy_now, unattainable
 from collm.router.requests import ROLE_MARKER_TOKENS
 from collm.sim.config import SimConfig
 from collm.sim.edge import SimEdge, SimRequest
@@ -194,8 +194,13 @@ class World(FederationRounds):
     def _route(self, i: int, tr: TraceRequest, now: float) -> None:
         cfg = self.cfg
         x = RequestView(tr.prompt_tokens + ROLE_MARKER_TOKENS, tr.output_tokens, self.slo.ttft_s, self.slo.tpot_s)
-        c = self._columns(now, self.counter % self.shards)
-        d = fleet.choose(self.policy, c, x, self.rng, self.counter // self.shards, self.assumptions)
+        shard = self.counter % self.shards
+        c = self._columns(now, shard)
+        gate = cfg.router.pack_gate
+        if gate is not None:  # as collm-router: a gated slo_pack reads its shard's slack as measured now
+            self.admissions[shard].update(now, self.waiting[shard].values())
+        policy = policy_now(self.policy, self.admissions[shard].slack, gate)
+        d = fleet.choose(policy, c, x, self.rng, self.counter // self.shards, self.assumptions)
         self.counter += 1
         k = self._row[d.edge]
         e = self.serving[k]

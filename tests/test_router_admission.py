@@ -33,6 +33,7 @@ def test_a_fixed_margin_never_moves():
         fast(c, float(t), ratio=0.1 if t < 10 else 3.0)
         assert c.update(float(t)) == 1.5
     assert not c.adaptive and c.action == "fixed"
+    assert c.slack == pytest.approx(-2.0)  # still measured: routing.pack_gate reads it
 
 
 def test_first_tokens_with_room_loosen_it_step_by_step_up_to_the_loosest():

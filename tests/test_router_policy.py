@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from collm.router.policy import (Assumptions, EdgeView, RequestView, choose, edge_load, estimate)
+from collm.router.policy import (Assumptions, EdgeView, RequestView, choose, edge_load, estimate, policy_now)
 
 COEF = (0.003, 0.0005, 2e-5, 0.0015)  # about what the tiny model measures on a CPU
 
@@ -257,6 +257,23 @@ def test_slo_pack_gathers_a_light_load_on_one_edge_and_spreads_once_it_lacks_roo
     full = replace(serving, spare_capacity=0.2)  # serving 80% of its time: no room to gather more
     assert Counter(choose("slo_pack", [full, empty], X, random.Random(s)).edge for s in range(50)) == {"empty": 50}
     assert choose("slo_pack", [serving, empty], X, random.Random(0)).why == "pack among 2"
+
+
+def test_a_gated_slo_pack_gathers_only_while_the_measured_slack_reaches_the_gate():
+    """routing.pack_gate: slo_pack gathers while the router's recent first tokens show at least that much
+    TTFT slack (or too few to tell: light load) and spreads as slo below it; other policies and an
+    ungated slo_pack are never changed."""
+    serving, empty = idle("serving", running=1, spare_capacity=0.7), idle("empty", spare_capacity=1.0)
+
+    def picks(slack):
+        return Counter(choose(policy_now("slo_pack", slack, 0.5), [serving, empty], X, random.Random(s)).edge
+                       for s in range(30))
+
+    assert picks(None) == picks(0.5) == picks(0.9) == {"serving": 30}
+    assert picks(0.49) == picks(-1.0) == {"empty": 30}  # spread: fewer requests in flight wins
+    assert policy_now("slo_pack", -5.0, None) == "slo_pack"
+    assert [policy_now(p, -5.0, 0.5) for p in ("slo", "round_robin", "least_outstanding")] == \
+        ["slo", "round_robin", "least_outstanding"]
 
 
 def test_the_routers_settings_reach_the_rule_by_name():

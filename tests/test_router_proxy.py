@@ -357,6 +357,41 @@ def test_admission_loosens_after_first_tokens_with_room_and_tightens_on_edge_429
         r.close()
 
 
+def test_a_gated_slo_pack_spreads_while_first_tokens_come_late_and_gathers_again_after(fakes):
+    """routing.pack_gate over real HTTP: slo_pack sends requests to the edge that already has one while the
+    first tokens the router relays come with room; once they come late (a burst) it spreads them, and it
+    gathers again when the late ones have left the window. With a fixed admission margin: the slack is
+    measured all the same."""
+    a, b = fakes
+    r = LiveRouter(router_config([(e.name, e.url) for e in fakes], routing={
+        "seed": 0, "policy": "slo_pack", "pack_gate": 0.5, "admission_margin_max": None,
+        "admission_feedback": {"period_s": 0.05, "window_s": 1.0, "min_requests": 3}}))
+
+    def served_by():
+        got = post(r, {"prompt": "x", "max_tokens": 3})
+        assert got.status_code == 200, got.text
+        return got.headers["X-CoLLM-Edge"]
+
+    def streams(ttft_ms):  # first tokens 0.05 s after sending, against this target
+        for _ in range(4):
+            assert post(r, {"prompt": "x", "stream": True, "max_tokens": 2, "best_effort": True,
+                            "slo": {"ttft_ms": ttft_ms}}).status_code == 200
+        time.sleep(0.06)
+
+    try:
+        a.queue = 1  # a serves one request already: slo_pack's gathering sends the next there too
+        r.wait_for(lambda: r.edge("a").scrape.queue_depth == 1 and r.edge("b").scrape.queue_depth == 0,
+                   what="scrape")
+        assert {served_by() for _ in range(3)} == {"a"}  # no evidence yet: gather
+        streams(ttft_ms=20)  # 2.5x their target: slack -1.5
+        assert {served_by() for _ in range(3)} == {"b"} and r.router.admission.slack < 0.5
+        time.sleep(1.1)  # the late ones leave the window
+        streams(ttft_ms=1000)
+        assert {served_by() for _ in range(3)} == {"a"} and r.router.admission.slack > 0.5
+    finally:
+        r.close()
+
+
 def test_mid_stream_failure_ends_with_an_sse_error_event(router, fakes):
     for e in fakes:
         e.mode = "die_mid_stream"

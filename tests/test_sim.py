@@ -367,3 +367,20 @@ def test_the_simulated_router_assumes_what_collm_router_assumes():
     assert default.probe_after_s == RoutingConfig().probe_after_s == 5.0
     a = world(cfg(router={"probe_after_s": 7.0, "pack_slack": 0.55, "pack_spare": 0.05}), "collm").assumptions
     assert (a.probe_after_s, a.pack_slack, a.pack_spare) == (7.0, 0.55, 0.05)
+
+
+def test_the_simulated_router_gates_slo_pack_on_its_measured_slack_as_collm_router_does():
+    """routing.pack_gate in collm-sim: the same `policy_now` over the shard's admission slack. With no first
+    tokens seen, slo_pack gathers overlapping requests on one edge; after late ones (edge 429s) it spreads."""
+    def edges_used(late: int) -> set[int]:
+        c = cfg(collm_routing="slo_pack", router={"pack_slack": 0.0, "pack_spare": 0.0, "pack_gate": 0.5,
+                                                  "admission": False, "admission_feedback": {"min_requests": 1}})
+        w = world(c, "collm")
+        for _ in range(late):
+            w.admissions[0].shed(0.5)  # counts as a first token at twice its target
+        w.run([[TraceRequest(1.0 + 0.01 * k, 10, 20) for k in range(4)]], 0.0, 0.0)
+        assert len(w.out) == 4 and all(s.status == "length" for s in w.out)
+        return {s.edge for s in w.out}
+
+    assert len(edges_used(late=0)) == 1
+    assert edges_used(late=3) == {0, 1}
