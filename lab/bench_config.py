@@ -141,7 +141,7 @@ class BenchConfig(Strict):
         "under edge: {training: {feedback: ...}}) or work_conserving (idle time plus busy_share)")
     busy_share: float = Field(0.0, ge=0, le=1, description="collm edges' training.busy_share (work_conserving)")
     collm_routing: Literal["slo", "slo_pack", "round_robin", "least_outstanding"] = Field(
-        "slo", description="collm's router policy (the other modes route round robin: one serving replica, or "
+        "slo_pack", description="collm's router policy (the other modes route round robin: one serving replica, or "
                            "replicas that all look alike)")
     edge: dict = Field(default_factory=dict, description="merged into every edge's config (and the quality "
                        "judge's model), e.g. {model: {tiny: {hidden_size: 256}}} or {engine: {max_running: 8}}")

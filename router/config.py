@@ -100,24 +100,25 @@ class RoutingConfig(Strict):
     """The routing rule (`collm.router.policy`) and what it assumes about the edges."""
 
     policy: Literal["slo", "slo_pack", "round_robin", "least_outstanding"] = Field(
-        "slo", description="slo: the most SLO slack; slo_pack: slo, gathering a light load on fewer edges (it "
-                           "trades serving for training: +13-50% training tokens at 0.3 x C, 5-6% less goodput "
-                           "at 0.5 x C in its same-run A/B, docs/benchmarks.md)")
+        "slo_pack", description="slo: the most SLO slack; slo_pack (the default): slo, gathering a light load on "
+        "fewer edges while the first tokens show room (pack_gate), so the others train in idle time: 1.6-2.0x the "
+        "training tokens at 0.3-0.5 x C at 0.99-1.00x serve-only's goodput, 1.05x slo's goodput at 0.8 x C in its "
+        "same-run A/B, docs/benchmarks.md")
     tie_margin: float = Field(0.05, ge=0, le=1, description="edges within this normalised slack of the best are "
                                                              "near-ties, broken by power of two choices")
     comfort: float = Field(0.5, ge=0, le=1, description="edges whose slack is at least this are all near-ties "
                                                         "(the SLOs are met with room to spare)")
     probe_after_s: float = Field(5.0, gt=0, description="an idle edge left out this long gets the next request "
                                                          "(refreshes a stale cost estimate)")
-    pack_slack: float = Field(0.6, ge=0, le=1, description="slo_pack policy: near-ties with at least this much "
+    pack_slack: float = Field(0.4, ge=0, le=1, description="slo_pack policy: near-ties with at least this much "
                               "slack ...")
-    pack_spare: float = Field(0.3, ge=0, le=1, description="... and at least this spare capacity (the fraction of "
+    pack_spare: float = Field(0.0, ge=0, le=1, description="... and at least this spare capacity (the fraction of "
                               "their window not spent serving) go to the edge with the most requests, so the others "
                               "train in idle time")
-    pack_gate: float | None = Field(None, ge=-1, lt=1, allow_inf_nan=False, description="slo_pack policy: gather "
+    pack_gate: float | None = Field(0.5, ge=-1, lt=1, allow_inf_nan=False, description="slo_pack policy: gather "
                                     "only while the measured TTFT slack of the router's recent first tokens (1 - "
                                     "admission_feedback.quantile of TTFT / target over its window) is at least this; "
-                                    "below it spread as slo (null: always gather)")
+                                    "below it spread as slo (a burst shows there within seconds; null: always gather)")
     retry_429: bool = Field(True, description="retry a 429 (edge queue full) once on another edge")
     admission: bool = Field(True, description="slo policy: answer 429 when no edge's estimated TTFT meets the "
                             "request's target, unless it asks for best effort")

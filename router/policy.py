@@ -137,8 +137,8 @@ class Assumptions:
     typical_output_tokens: float = 64.0  # L
     tie_margin: float = 0.05
     comfort: float = 0.5
-    pack_slack: float = 0.6   # slo_pack: gather requests only on edges with at least this slack ...
-    pack_spare: float = 0.3   # ... and at least this spare capacity (not serving) over their window
+    pack_slack: float = 0.4   # slo_pack: gather requests only on edges with at least this slack ...
+    pack_spare: float = 0.0   # ... and at least this spare capacity (not serving) over their window
     probe_after_s: float = float("inf")
 
 

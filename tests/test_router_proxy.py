@@ -67,7 +67,8 @@ class LiveRouter:
 def router_config(edges: list[tuple[str, str]], **overrides) -> dict:
     cfg = {"edges": [{"name": n, "url": u} for n, u in edges],
            "health": {"interval_s": 0.1, "timeout_s": 1.0, "unhealthy_after": 2, "cooldown_s": 0.5},
-           "routing": {"seed": 0}}
+           "routing": {"seed": 0, "policy": "slo"}}  # slo spreads idle requests over the edges, which these
+    # tests of forwarding and of the slo rule rely on; slo_pack (the default) has its own tests
     for k, v in overrides.items():
         cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
     return cfg
