@@ -66,6 +66,14 @@ The router runs this rule in columnar form (`collm.router.fleet`: the same decis
 random snapshots) so that one decision stays well under a millisecond at 1,000 edges; the
 functions here are the readable reference.
 
+`slo_pack` policy (the default): the same rule, but near-ties with at least `pack_slack` slack (and
+`pack_spare` spare capacity) go to the one with the most requests, so a light load gathers on few
+edges and the others train in idle time, where training costs serving nothing; while the router's
+measured TTFT slack (`admission.AdmissionController.slack`) is below `pack_gate`, it spreads as `slo`
+(`policy_now`): a burst that lands on a gathered edge costs more than gathering gains. Measured
+(docs/benchmarks.md, 2026-12-05): 1.6-2.0x slo's training tokens at 0.3-0.5 x C at 0.99-1.00x
+serve-only's goodput.
+
 Baselines (the same interface): `round_robin` cycles through the healthy edges; `least_outstanding`
 takes the edge with the fewest requests in flight from this router (random among equals).
 """
