@@ -72,11 +72,19 @@ class AdmissionController:
     def observe(self, now: float, ttft_s: float, ttft_target_s: float) -> None:
         """A first token relayed at `now`, `ttft_s` after the request was sent, against its own target."""
         if ttft_target_s > 0 and math.isfinite(ttft_s) and ttft_s >= 0:
-            self._seen.append((now, ttft_s / ttft_target_s))
+            self._add(now, ttft_s / ttft_target_s)
 
     def shed(self, now: float) -> None:
         """An edge answered 429 for its load: its queue was full, or the request was shed as late."""
-        self._seen.append((now, SHED_RATIO))
+        self._add(now, SHED_RATIO)
+
+    def _add(self, now: float, ratio: float) -> None:
+        self._prune(now)  # also here: with a fixed margin and no gate, nothing may ever call update
+        self._seen.append((now, ratio))
+
+    def _prune(self, now: float) -> None:
+        while self._seen and now - self._seen[0][0] > self.window_s:
+            self._seen.popleft()
 
     def update(self, now: float, waiting: Iterable[tuple[float, float]] = ()) -> float:
         """The margin to judge a request by at `now` (adjusted at most once a period). `waiting`: (sent at,
@@ -86,8 +94,7 @@ class AdmissionController:
         if self._tick_at is not None and now - self._tick_at < self.period_s:
             return self.margin
         self._tick_at = now
-        while self._seen and now - self._seen[0][0] > self.window_s:
-            self._seen.popleft()
+        self._prune(now)
         fresh = [r for _, r in self._seen]
         # a wait counts as at most a shed request: one stuck entry must not hold the margin down forever
         fresh += [min((now - t) / target, SHED_RATIO) for t, target in waiting if target > 0]

@@ -143,6 +143,14 @@ class Router(EdgeProxy):
     def assumptions(self) -> Assumptions:
         return self.cfg.routing.assumptions(self.typical_output)
 
+    def policy_now(self, now: float | None = None) -> str:
+        """The rule to route by now: a gated slo_pack spreads as slo while the measured TTFT slack is below
+        routing.pack_gate (`policy.policy_now`). With `now`, the slack is measured first (once a period)."""
+        r = self.cfg.routing
+        if now is not None and r.policy == "slo_pack" and r.pack_gate is not None:
+            self.admission.update(now, self.awaiting.values())
+        return policy_now(r.policy, self.admission.slack, r.pack_gate)
+
     def pick(self, x: RequestView, exclude: list[str]) -> tuple[EdgeState, Decision, Estimate] | None:
         """The edge for request x among the healthy ones not tried yet (cooling-down ones last)."""
         now = time.monotonic()
@@ -150,11 +158,7 @@ class Router(EdgeProxy):
         if pool is None:
             return None
         cols = self.table.columns(pool, stale_after(self.cfg.health.stale_after_s, self.poll_interval()), now)
-        r = self.cfg.routing
-        if r.pack_gate is not None:  # a gated slo_pack reads the slack as measured now (at most once a period)
-            self.admission.update(now, self.awaiting.values())
-        d = choose(policy_now(r.policy, self.admission.slack, r.pack_gate), cols, x, self.rng, self.counter,
-                   self.assumptions())
+        d = choose(self.policy_now(now), cols, x, self.rng, self.counter, self.assumptions())
         self.counter += 1
         est = d.estimate
         edge = self.edges[self.index[d.edge]]
@@ -256,6 +260,7 @@ class Router(EdgeProxy):
     def health_body(self) -> dict:
         n = self.healthy_count()
         return {"status": "ok" if n else "unavailable", "router": self.cfg.name, "policy": self.cfg.routing.policy,
+                "routing_now": self.policy_now(), "ttft_slack": self.admission.slack,
                 "admission_margin": self.admission.margin, "healthy_edges": n,
                 "edges": [e.describe() for e in self.edges]}
 

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="router YAML config (see configs/router.yaml)")
     p.add_argument("--check", action="store_true", help="validate the config, print it resolved, and exit")
     p.add_argument("--port", type=int, help="override api.port")
-    p.add_argument("--policy", help="override routing.policy (slo, round_robin, least_outstanding)")
+    p.add_argument("--policy", help="override routing.policy (slo_pack, slo, round_robin, least_outstanding)")
     return p
 
 

@@ -19,6 +19,8 @@ EDGE_OUTSTANDING = "collm_router_edge_outstanding"
 EDGE_SLACK = "collm_router_edge_last_slack"
 HEALTHY_EDGES = "collm_router_healthy_edges"
 ADMISSION_MARGIN = "collm_router_admission_margin"
+TTFT_SLACK = "collm_router_ttft_slack"
+GATHERING = "collm_router_gathering"
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
@@ -63,4 +65,10 @@ class _EdgeGauges:
         margin = GaugeMetricFamily(ADMISSION_MARGIN, "Admission refuses a request whose soonest estimated TTFT is "
                                    "past this many times its target (router/admission.py)")
         margin.add_metric([], float(self.router.admission.margin))
-        yield from (healthy, outstanding, slack, total, margin)
+        measured = GaugeMetricFamily(TTFT_SLACK, "1 - the 0.9 quantile of TTFT / target over the recent first tokens "
+                                     "relayed (NaN: too few); routing.pack_gate reads it")
+        s = self.router.admission.slack
+        measured.add_metric([], float("nan") if s is None else float(s))
+        gathering = GaugeMetricFamily(GATHERING, "1 while slo_pack gathers a light load (its gate open), else 0")
+        gathering.add_metric([], float(self.router.policy_now() == "slo_pack"))
+        yield from (healthy, outstanding, slack, total, margin, measured, gathering)

@@ -36,6 +36,16 @@ def test_a_fixed_margin_never_moves():
     assert c.slack == pytest.approx(-2.0)  # still measured: routing.pack_gate reads it
 
 
+def test_first_tokens_older_than_the_window_are_dropped_as_new_ones_come():
+    """A router whose margin is fixed and that gathers nothing never asks for the slack: what it keeps
+    of its first tokens must still stay within the window, not grow with its uptime."""
+    c = AdmissionController(1.0, None, AdmissionFeedback(window_s=10.0))
+    for t in range(1000):
+        c.observe(float(t), 0.1, 1.0)
+        c.shed(t + 0.5)
+    assert len(c._seen) <= 22
+
+
 def test_first_tokens_with_room_loosen_it_step_by_step_up_to_the_loosest():
     c = AdmissionController(1.0, 2.0, AdmissionFeedback(period_s=1.0, min_requests=5, step=0.25))
     assert c.update(0.0) == 1.0 and c.action == "no-evidence"  # nothing relayed yet: the tightest

@@ -366,7 +366,7 @@ def test_a_gated_slo_pack_spreads_while_first_tokens_come_late_and_gathers_again
     a, b = fakes
     r = LiveRouter(router_config([(e.name, e.url) for e in fakes], routing={
         "seed": 0, "policy": "slo_pack", "pack_gate": 0.5, "admission_margin_max": None,
-        "admission_feedback": {"period_s": 0.05, "window_s": 1.0, "min_requests": 3}}))
+        "admission_feedback": {"period_s": 0.05, "window_s": 3.0, "min_requests": 3}}))
 
     def served_by():
         got = post(r, {"prompt": "x", "max_tokens": 3})
@@ -386,9 +386,14 @@ def test_a_gated_slo_pack_spreads_while_first_tokens_come_late_and_gathers_again
         assert {served_by() for _ in range(3)} == {"a"}  # no evidence yet: gather
         streams(ttft_ms=20)  # 2.5x their target: slack -1.5
         assert {served_by() for _ in range(3)} == {"b"} and r.router.admission.slack < 0.5
-        time.sleep(1.1)  # the late ones leave the window
+        health = httpx.get(r.url + "/health").json()
+        assert (health["policy"], health["routing_now"]) == ("slo_pack", "slo") and health["ttft_slack"] < 0.5
+        assert "collm_router_gathering 0.0" in httpx.get(r.url + "/metrics").text
+        time.sleep(3.1)  # the late ones leave the window
         streams(ttft_ms=1000)
         assert {served_by() for _ in range(3)} == {"a"} and r.router.admission.slack > 0.5
+        assert httpx.get(r.url + "/health").json()["routing_now"] == "slo_pack"
+        assert "collm_router_gathering 1.0" in httpx.get(r.url + "/metrics").text
     finally:
         r.close()
 
