@@ -58,10 +58,13 @@ PANELS = [
       ("no healthy edge", "sum(rate(collm_router_no_healthy_edge_total[1m]))")]),
     ("Router", "Healthy edges", "short", "Edges the router routes to.",
      [("healthy", "collm_router_healthy_edges")]),
-    ("Router", "Admission margin", "none",
+    ("Router", "Admission margin and gathering", "none",
      "Admission refuses a request whose soonest estimated TTFT is past this many times its target; it loosens "
-     "while first tokens come with room and drops back when they come late (routing.admission_margin_max).",
-     [("margin", "collm_router_admission_margin")]),
+     "while first tokens come with room and drops back when they come late (routing.admission_margin_max). The "
+     "measured TTFT slack (1 - the 0.9 quantile of TTFT / target over recent first tokens) opens slo_pack's "
+     "gathering at routing.pack_gate or above (gathering 1) and closes it below (0: the router spreads).",
+     [("margin", "collm_router_admission_margin"), ("measured TTFT slack", "collm_router_ttft_slack"),
+      ("gathering (slo_pack gate open)", "collm_router_gathering")]),
     ("Federation", "Round", "none", "Last complete round, and whether the run still has rounds to go.",
      [("round", "collm_server_round"), ("run active", "collm_server_run_active")]),
     ("Federation", "Round duration", "s", "Wall time of the last complete round and its training deadline.",
