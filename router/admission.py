@@ -27,8 +27,8 @@ TTFT target and was shed; not an edge's per-key rate limit) counts as a first to
 the lateness a queue causes, and an edge that sheds produces no first token to show it. Requests the
 router itself refused teach it nothing, so a router that refuses everything cannot talk itself looser;
 an idle router keeps the margin it had. The slack is measured even with a fixed margin: it is also what
-opens and closes slo_pack's gathering (routing.pack_gate, `policy.policy_now`). Pure and clock-free: collm-router and collm-sim feed it the
-same observations and read `margin`.
+opens and closes slo_pack's gathering (routing.pack_gate, `policy.policy_now`). Pure and clock-free:
+collm-router and collm-sim feed it the same observations and read `margin`.
 
 Measured (docs/benchmarks.md, 2026-12-05): against a fixed margin of 1 in the same run, a tie on the
 steady trace at 0.8, 1.0 and 1.5 x C and 1.03x goodput under bursts (half the refusals, none late).

@@ -118,8 +118,8 @@ class RoutingConfig(Strict):
     pack_gate: float | None = Field(0.5, ge=-1, lt=1, allow_inf_nan=False, description="slo_pack policy: gather "
                                     "only while the measured TTFT slack of the router's recent first tokens (1 - "
                                     "admission_feedback.quantile of TTFT / target over its window) is at least this; "
-                                    "below it spread as slo (a burst shows there within seconds; null: always gather, as a late first token "
-                                    "can take the slack below -1)")
+                                    "below it spread as slo (a burst shows there within seconds; null: always "
+                                    "gather, as a late first token can take the slack below -1)")
     retry_429: bool = Field(True, description="retry a 429 (edge queue full) once on another edge")
     admission: bool = Field(True, description="slo policy: answer 429 when no edge's estimated TTFT meets the "
                             "request's target, unless it asks for best effort")

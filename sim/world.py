@@ -197,7 +197,7 @@ class World(FederationRounds):
         shard = self.counter % self.shards
         c = self._columns(now, shard)
         gate = cfg.router.pack_gate
-        if gate is not None and self.policy == "slo_pack":  # as collm-router: a gated slo_pack reads its shard's slack as measured now
+        if gate is not None and self.policy == "slo_pack":  # as collm-router: the shard's slack as measured now
             self.admissions[shard].update(now, self.waiting[shard].values())
         policy = policy_now(self.policy, self.admissions[shard].slack, gate)
         d = fleet.choose(policy, c, x, self.rng, self.counter // self.shards, self.assumptions)
