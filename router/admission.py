@@ -42,8 +42,18 @@ from collections.abc import Iterable
 
 from collm.common.stats import percentile
 from collm.router.config import AdmissionFeedback
+from collm.router.policy import policy_now
 
 SHED_RATIO = 2.0  # an edge's 429 after admission counts as a first token at twice its target (a late one)
+
+
+def routing_policy(policy: str, pack_gate: float | None, admission: AdmissionController, now: float | None = None,
+                   waiting: Iterable[tuple[float, float]] = ()) -> str:
+    """The rule to route by now (`policy.policy_now` over `admission`'s measured slack): for a gated slo_pack,
+    with `now`, the slack is measured first (at most once a period). collm-router and collm-sim both ask here."""
+    if now is not None and policy == "slo_pack" and pack_gate is not None:
+        admission.update(now, waiting)
+    return policy_now(policy, admission.slack, pack_gate)
 
 
 class AdmissionController:

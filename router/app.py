@@ -53,14 +53,14 @@ from collm.common.errors import UserError
 from collm.common.http_guard import BodyLimit
 from collm.common.protocol import error_body
 
-from collm.router.admission import AdmissionController
+from collm.router.admission import AdmissionController, routing_policy
 from collm.router.config import RouterConfig
 from collm.router.metrics import RouterMetrics
 from collm.router.poller import EdgePoller
 from collm.router.proxy import SOONEST_HEADER, EdgeProxy, AttemptFailed
 from collm.router.requests import request_view
 from collm.router.fleet import FleetTable, choose, stale_after
-from collm.router.policy import Assumptions, Decision, Estimate, RequestView, policy_now, unattainable
+from collm.router.policy import Assumptions, Decision, Estimate, RequestView, unattainable
 from collm.router.state import EdgeState
 
 log = logging.getLogger("collm.router")
@@ -147,9 +147,7 @@ class Router(EdgeProxy):
         """The rule to route by now: a gated slo_pack spreads as slo while the measured TTFT slack is below
         routing.pack_gate (`policy.policy_now`). With `now`, the slack is measured first (once a period)."""
         r = self.cfg.routing
-        if now is not None and r.policy == "slo_pack" and r.pack_gate is not None:
-            self.admission.update(now, self.awaiting.values())
-        return policy_now(r.policy, self.admission.slack, r.pack_gate)
+        return routing_policy(r.policy, r.pack_gate, self.admission, now, self.awaiting.values())
 
     def pick(self, x: RequestView, exclude: list[str]) -> tuple[EdgeState, Decision, Estimate] | None:
         """The edge for request x among the healthy ones not tried yet (cooling-down ones last)."""

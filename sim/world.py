@@ -39,8 +39,8 @@ from collm.edge_client.engine.co_schedule import make_policy
 from collm.lab.bench_config import edge_policy, is_collm, mode_roles, router_policy
 from collm.router import fleet
 from collm.router.config import HealthConfig, RoutingConfig
-from collm.router.admission import AdmissionController
-from collm.router.policy import EdgeView, RequestView, policy_now, unattainable
+from collm.router.admission import AdmissionController, routing_policy
+from collm.router.policy import EdgeView, RequestView, unattainable
 from collm.router.requests import ROLE_MARKER_TOKENS
 from collm.sim.config import SimConfig
 from collm.sim.edge import SimEdge, SimRequest
@@ -196,10 +196,8 @@ class World(FederationRounds):
         x = RequestView(tr.prompt_tokens + ROLE_MARKER_TOKENS, tr.output_tokens, self.slo.ttft_s, self.slo.tpot_s)
         shard = self.counter % self.shards
         c = self._columns(now, shard)
-        gate = cfg.router.pack_gate
-        if gate is not None and self.policy == "slo_pack":  # as collm-router: the shard's slack as measured now
-            self.admissions[shard].update(now, self.waiting[shard].values())
-        policy = policy_now(self.policy, self.admissions[shard].slack, gate)
+        policy = routing_policy(self.policy, cfg.router.pack_gate, self.admissions[shard], now,  # as collm-router
+                                self.waiting[shard].values())
         d = fleet.choose(policy, c, x, self.rng, self.counter // self.shards, self.assumptions)
         self.counter += 1
         k = self._row[d.edge]
