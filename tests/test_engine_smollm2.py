@@ -61,12 +61,17 @@ def test_the_canary_gate_refuses_a_bad_global_and_serves_a_good_one(smollm2_lm, 
     ids = chat_prompt_ids(smollm2_lm.tokenizer, "What is the capital of France?")
     params = SamplingParams(max_tokens=6, temperature=0)
     try:
+        edge.measure_reference()  # as the edge does when it joins the federation: the reference, in idle time
+        reference = edge._reference[1].result(timeout=600)
+        one_evaluation = engine.telemetry.totals["eval_tokens"]
+        assert one_evaluation > 0
         engine.train(TrainBudget(steps=2), global_state=engine.initial_state, lr=0.05).result(timeout=1200)
         bad = engine.trainer.adapter.state_dict_peft()
         report, refused = edge.evaluate_global(bad, 1)
         print(f"bad global: holdout loss {report.loss:.3f}; {refused}")
         assert refused and engine.shadow.current_version == 0 and engine.shadow.latest_version == 0
-        assert engine.shadow.info_of(0).eval_loss is not None  # the reference it was held against
+        assert engine.shadow.info_of(0).eval_loss == reference.loss  # the reference it was held against ...
+        assert engine.telemetry.totals["eval_tokens"] == 2 * one_evaluation  # ... measured at start, not again
         assert edge.load_report().refused_version == 1
         edge.adopt_global(to_arrays(bad), 1)  # round 2's TRAIN message starts from it: trained from, not served
         assert engine.generate(ids, params).record.adapter_version == 0

@@ -40,6 +40,8 @@ from collm.edge_client.federation.records import clipped_update, fit_to_rank, pr
 from collm.edge_client.training.jobs import TrainBudget
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from collm.edge_client.runtime import EdgeRuntime
 
 log = logging.getLogger("collm.federation")
@@ -64,6 +66,18 @@ class FederatedEdge:
         self.rank_energy = 1.0  # mixed ranks: the share of the last global's energy this edge's rank kept
         self.run_keys = runtime.cfg.federation.run_key.resolve("federation.run_key")
         self.foreign_refused = 0  # messages refused as not from this federation's ServerApp
+        self._reference: tuple[int, Future] | None = None  # (version, its evaluation) queued at start
+
+    def measure_reference(self) -> None:
+        """Queue the evaluation of the version served at start, the canary's first reference, so that it
+        runs in the idle time before traffic and rounds instead of inside round 1's evaluation (where a
+        busy replica can hold it up for minutes and the swap, and every edge's round, wait on it)."""
+        eng = self.rt.engine
+        version = eng.shadow.current_version
+        info = eng.shadow.info_of(version)
+        if self.rt.cfg.adapters.canary_margin is None or not eng.holdout or (info and info.eval_loss is not None):
+            return
+        self._reference = (version, eng.evaluate(version=version))
 
     # ------------------------------------------------------------------ handlers
     def client_app(self) -> ClientApp:
@@ -248,7 +262,7 @@ class FederatedEdge:
         info = shadow.info_of(serving)
         serving_loss = info.eval_loss if info else None
         if serving_loss is None:  # e.g. the initial adapter: measure it once, so the gate has a reference
-            serving_loss = self._evaluate_serving(serving).loss
+            serving_loss = self._reference_loss(serving)
         report = _evaluated(eng.evaluate(state=state).result(), self.rt.cfg.name)
         verdict = canary_verdict(report.loss, serving_loss, margin)
         if verdict.accept:
@@ -259,6 +273,20 @@ class FederatedEdge:
         log.warning("edge %s: refused to serve global version %d, kept version %d: %s", self.rt.cfg.name,
                     version, serving, verdict.reason)
         return report, verdict.reason
+
+    def _reference_loss(self, version: int) -> float:
+        """The served `version`'s holdout loss: from the evaluation queued at start if it is of this
+        version and did not fail (waiting for it if it still runs), else measured now."""
+        ref, self._reference = self._reference, None
+        if ref is not None and ref[0] == version:
+            try:
+                loss = _evaluated(ref[1].result(), self.rt.cfg.name).loss
+                self.rt.engine.shadow.set_eval_loss(version, loss)
+                return loss
+            except Exception as e:  # noqa: BLE001 - measured again below
+                log.warning("edge %s: the reference evaluation queued at start failed (%s); measuring again",
+                            self.rt.cfg.name, e)
+        return self._evaluate_serving(version).loss
 
     def _evaluate_serving(self, version: int):
         """Evaluate the served `version` and record its loss on it: the canary's reference and
@@ -297,6 +325,7 @@ class EdgeFederation:
         f = cfg.federation
         if f.bootstrap_from:
             self.catch_up(f.bootstrap_from)
+        self.edge.measure_reference()
         self.executor = SuperNodeExecutor(
             self.edge.client_app(), superlink=f.superlink, runtime_port=f.runtime_port,
             node_config={"name": cfg.name, **f.node_config}, insecure=f.insecure,
