@@ -197,6 +197,10 @@ class TrainingConfig(Strict):
                               "busy fraction); 0: only idle time")
     busy_margin: float = Field(0.1, ge=0, le=1)
     busy_window_s: float = Field(10.0, gt=0, description="window over which rho is measured")
+    eval_share: float = Field(0.0, ge=0, le=1, description="while a round's evaluation runs, its units may take "
+                              "at least this share of the replica beside decodes (still within the per-step cap "
+                              "and the slack guard), even when training gets none: the round on every edge and "
+                              "the served version's swap wait on it; 0: evaluation runs only where training would")
     default_round_tokens: int = Field(4096, ge=1, description="round budget when the server assigns none")
     finish_grace: float = Field(0.25, ge=0, le=1, description="a micro-batch in flight at the round's deadline "
                                 "may finish within this fraction of the deadline after it (no new one starts); "

@@ -97,7 +97,8 @@ class World(FederationRounds):
         edge_seeds = ss.spawn(n + 1)
         self.rng = random.Random(int(edge_seeds[-1].generate_state(1)[0]))  # the router's p2c sampler
         tc = TrainingConfig(co_schedule=edge_policy(mode, cfg.co_schedule),
-                            busy_share=cfg.busy_share if is_collm(mode) else 0.0, feedback=cfg.feedback)
+                            busy_share=cfg.busy_share if is_collm(mode) else 0.0, feedback=cfg.feedback,
+                            eval_share=cfg.eval_share if is_collm(mode) else 0.0)
         self.slo = SLO.from_ms(cfg.ttft_ms, cfg.tpot_ms)
         self.carry_rounds = tc.carry_budget_rounds
         self.edges = [SimEdge(i, f"{role.replace('+', '-')}{i}", p, role, make_policy(tc), self,

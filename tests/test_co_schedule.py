@@ -274,6 +274,28 @@ def test_slo_feedback_policy_trains_beside_decodes_only_as_far_as_its_share():
     assert p.verdict(load(now=21.0, running=1, waiting=1), 0.001).reason == "serving-first"
 
 
+def test_an_evaluation_gets_its_floor_where_training_gets_nothing_and_training_cannot_spend_it():
+    p = SlackFeedback(FeedbackConfig(period_s=1.0, min_requests=1, cool_s=0), eval_share=0.2)
+    for i in range(10):  # requests near their TPOT target: the controller grants training nothing
+        p.observe_request(float(i), served(0.39))
+        assert p.verdict(decode_load(i + 0.5, [decoding(i + 0.5)]), unit_s=0.05).reason == "bucket"
+    assert p.share == 0.0
+    p.verdict(decode_load(10.0, [decoding(10.0)]), 0.05, "eval")
+    v = p.verdict(decode_load(10.5, [decoding(10.5)]), 0.05, "eval")  # 0.5 s at 0.2: 0.1 s accrued
+    assert v.run and v.reason == "busy-share" and p.share == 0.0  # the controller's share is untouched
+    p.spent(0.05)
+    assert p.verdict(decode_load(10.5, [decoding(10.5)]), 0.08, "eval").reason == "bucket"  # the floor is a rate
+    assert p.verdict(decode_load(10.5, [decoding(10.5)]), 0.01, "train").reason == "bucket"  # not training's
+    # the floor passes the same guards as training: the per-step cap (0.8 x 0.2 - 0.1) and serving first
+    p.verdict(decode_load(20.0, [decoding(20.0)]), 0.01, "eval")
+    assert p.verdict(decode_load(25.0, [decoding(25.0)]), 0.07, "eval").reason == "per-step-cap"
+    assert p.verdict(decode_load(25.0, [decoding(25.0)]), 0.05, "eval").run
+    assert p.verdict(load(now=25.0, running=1, waiting=1), 0.001, "eval").reason == "serving-first"
+    off = SlackFeedback(eval_share=0.0)
+    off.verdict(decode_load(10.0, [decoding(10.0)]), 0.01, "eval")
+    assert off.verdict(decode_load(15.0, [decoding(15.0)]), 0.01, "eval").reason == "bucket"  # 0: no floor
+
+
 def test_a_controller_setting_out_of_range_is_a_one_line_error_naming_it():
     from helpers import tiny_config
 
@@ -281,6 +303,8 @@ def test_a_controller_setting_out_of_range_is_a_one_line_error_naming_it():
         tiny_config(training={"feedback": {"slack_low": 0.4, "slack_high": 0.3}})
     with pytest.raises(UserError, match="f_max"):
         tiny_config(training={"feedback": {"f_max": 1.5}})
+    with pytest.raises(UserError, match="eval_share"):
+        tiny_config(training={"eval_share": 1.5})
     with pytest.raises(UserError, match="busy_share .* work_conserving"):  # a fixed share the controller would ignore
         tiny_config(training={"busy_share": 0.3})
     assert isinstance(make_policy(tiny_config().training), SlackFeedback)  # the default

@@ -29,7 +29,12 @@ j still before its first token (arrived a_j, TTFT target T_j) of
 s * T_j - (now - a_j) - ceil(prefill queued up to j / B) * t_step. `s` is slo.safety, B the step
 token budget, `t_step` the cost model's next step.
 
-Where the bucket's fill rate comes from is the policy's choice:
+Where the bucket's fill rate comes from is the policy's choice, with one floor for evaluation: a round's
+evaluation of the new global gates the round on every edge and the swap of the served version (the canary
+judges on it), and it is small (a few seconds of forward units), so while an evaluation job is current the
+bucket fills at least at `training.eval_share` even where training gets nothing. Its units still pass the
+per-step cap and the slack guard; only the share is floored.
+
 
 * `slo_feedback` (CoLLM's default): a feedback controller over *measured* latencies
   (`controller.SlackController`) sets f, the training seconds per wall-clock second the bucket
@@ -153,7 +158,8 @@ class CoSchedule:
     def observe_request(self, end: float, outcome: RequestOutcome) -> None:
         """A request ended at `end` (completed, or shed as late)."""
 
-    def verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
+    def verdict(self, load: ServingLoad, unit_s: float, kind: str = "train") -> Verdict:
+        """May a unit of a `kind` job (train | eval) predicted to take `unit_s` run now?"""
         raise NotImplementedError
 
     def spent(self, seconds: float) -> None:
@@ -172,8 +178,10 @@ class WorkConserving(CoSchedule):
     name = "work_conserving"
 
     def __init__(self, busy_share: float = 0.0, margin: float = 0.1, gamma: float = 0.5, window_s: float = 10.0,
-                 bucket_max_s: float = 1.0):
+                 bucket_max_s: float = 1.0, eval_share: float = 0.0):
         self.busy_share, self.margin, self.gamma = busy_share, margin, gamma
+        self.eval_share = eval_share
+        self._kind = "train"  # the job kind the bucket last filled for
         self.window = BusyWindow(window_s)
         self.bucket_max_s = bucket_max_s
         self.bucket = 0.0
@@ -196,25 +204,30 @@ class WorkConserving(CoSchedule):
         """The fill rate at the last verdict: what the rule granted beside serving then."""
         return self._rate
 
-    def _accrue(self, load: ServingLoad) -> None:
-        rate = self._rate = self.fill_rate(load)
+    def _accrue(self, load: ServingLoad, kind: str = "train") -> None:
+        rate = self.fill_rate(load)
+        if kind == "eval" and not (load.waiting or load.prefill_left):
+            rate = max(rate, self.eval_share)  # the evaluation's floor (module docstring)
+        if kind != self._kind:  # what evaluation's floor filled is not training's to spend, nor the reverse
+            self.bucket, self._kind, self._accrued_at = 0.0, kind, load.now
+        self._rate = rate
         if self._accrued_at is not None:
             dt = max(0.0, load.now - self._accrued_at)
             self.bucket = min(self.bucket_max_s, self.bucket + dt * rate)
         self._accrued_at = load.now
 
-    def verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
+    def verdict(self, load: ServingLoad, unit_s: float, kind: str = "train") -> Verdict:
         if load.idle:  # idle time trains without the bucket; it neither fills it nor moves the share
             self._accrued_at = load.now
             return Verdict(True, "idle")
-        self._accrue(load)
+        self._accrue(load, kind)
         if load.waiting or load.prefill_left:
             return Verdict(False, "serving-first")
-        return self._busy_verdict(load, unit_s)
+        return self._busy_verdict(load, unit_s, kind)
 
-    def _busy_verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
+    def _busy_verdict(self, load: ServingLoad, unit_s: float, kind: str = "train") -> Verdict:
         """Only decodes run: rule 3."""
-        if self.busy_time_off():
+        if self.busy_time_off() and not (kind == "eval" and self.eval_share > 0):
             return Verdict(False, "busy-share-off")
         if unit_s > self.bucket:
             return Verdict(False, "bucket")
@@ -238,8 +251,9 @@ class SlackFeedback(WorkConserving):
     name = "slo_feedback"
 
     def __init__(self, params: FeedbackConfig | None = None, gamma: float = 1.0, bucket_max_s: float = 1.0,
-                 window_s: float = 10.0):
-        super().__init__(busy_share=0.0, margin=0.0, gamma=gamma, window_s=window_s, bucket_max_s=bucket_max_s)
+                 window_s: float = 10.0, eval_share: float = 0.0):
+        super().__init__(busy_share=0.0, margin=0.0, gamma=gamma, window_s=window_s, bucket_max_s=bucket_max_s,
+                         eval_share=eval_share)
         self.controller = SlackController(params)
 
     def observe_request(self, end: float, outcome: RequestOutcome) -> None:
@@ -259,8 +273,8 @@ class SlackFeedback(WorkConserving):
     def share(self) -> float:
         return self.controller.f
 
-    def _busy_verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
-        v = super()._busy_verdict(load, unit_s)
+    def _busy_verdict(self, load: ServingLoad, unit_s: float, kind: str = "train") -> Verdict:
+        v = super()._busy_verdict(load, unit_s, kind)
         if not v.run:
             self.controller.note_refusal(v.reason)
         return v
@@ -272,7 +286,7 @@ class Naive(CoSchedule):
     name = "naive"
     whole_passes = True
 
-    def verdict(self, load: ServingLoad, unit_s: float) -> Verdict:
+    def verdict(self, load: ServingLoad, unit_s: float, kind: str = "train") -> Verdict:
         return Verdict(True, "naive")
 
 
@@ -285,6 +299,7 @@ def make_policy(training_cfg) -> CoSchedule:
     if kind is Naive:
         return Naive()
     if kind is SlackFeedback:
-        return SlackFeedback(training_cfg.feedback, window_s=training_cfg.busy_window_s)
+        return SlackFeedback(training_cfg.feedback, window_s=training_cfg.busy_window_s,
+                             eval_share=training_cfg.eval_share)
     return WorkConserving(busy_share=training_cfg.busy_share, margin=training_cfg.busy_margin,
-                          window_s=training_cfg.busy_window_s)
+                          window_s=training_cfg.busy_window_s, eval_share=training_cfg.eval_share)

@@ -200,9 +200,10 @@ class ReplicaCore:
             return job
 
     def verdict(self, now: float, unit_s: float, arriving: Iterable = ()) -> tuple[Verdict, ServingLoad]:
-        """May the current job's next unit (predicted `unit_s`) run now? The policy decides."""
+        """May the current job's next unit (predicted `unit_s`) run now? The policy decides (an evaluation's
+        units by its floor, co_schedule's docstring)."""
         load = self.serving_load(now, arriving)
-        v = self.policy.verdict(load, unit_s)
+        v = self.policy.verdict(load, unit_s, "eval" if self.job is not None and self.job.kind == "eval" else "train")
         self._note("verdict", now, v.run, v.reason)
         return v, load
 
