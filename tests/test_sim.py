@@ -155,6 +155,22 @@ def test_rounds_aggregate_swap_and_quality_follows_the_curve():
     assert {s.version for s in w.out} == {3}  # the requests came after the last swap
 
 
+def test_a_rounds_evaluation_waits_for_idle_time_unless_it_has_a_floor_beside_decodes():
+    """Round 1 trains in idle time; from 2 s on both edges always decode and the controller grants training
+    nothing (f_max 0). Without a floor the new global is evaluated, and served, only once the stream ends;
+    with training.eval_share it is served while the stream goes on."""
+    stream = [TraceRequest(2.0 + 0.1 * i, 10, 20) for i in range(200)] + [TraceRequest(30.0, 10, 3)]  # 2-22 s
+    swapped = {}
+    for share in (0.0, 0.5):
+        c = cfg(tpot_ms=400, federation={"round_deadline_s": 3, "round_token_budget": 2000, "rounds": 1},
+                feedback={"f_max": 0.0}, eval_share=share)
+        w = world(c, "collm", 2)
+        w.run([stream], 0.0, 0.0)
+        assert w.rounds[0].aggregated_at < 4.0
+        swapped[share] = w.rounds[0].swapped_at
+    assert swapped[0.0] > 22.0 and swapped[0.5] < 10.0, swapped
+
+
 def test_isolated_trains_on_half_and_serves_the_new_global_after_reloading_it():
     c = cfg(federation={"round_deadline_s": 3, "round_token_budget": 2000, "rounds": 2})
     w = world(c, "isolated", 2)
