@@ -296,6 +296,22 @@ def test_an_evaluation_gets_its_floor_where_training_gets_nothing_and_training_c
     assert off.verdict(decode_load(15.0, [decoding(15.0)]), 0.01, "eval").reason == "bucket"  # 0: no floor
 
 
+def test_without_a_floor_evaluation_and_training_share_one_bucket_as_before():
+    p = WorkConserving(busy_share=0.5, margin=0.0, window_s=10.0)  # rho 0: fills at 0.5 s per s
+    p.verdict(load(now=10.0, running=1), 0.01, "train")
+    assert p.verdict(load(now=11.0, running=1), 0.05, "eval").run  # an evaluation spends what training accrued
+    p.spent(0.05)
+    assert p.verdict(load(now=11.0, running=1), 0.05, "train").run and p.bucket == pytest.approx(0.45)
+
+
+def test_a_fixed_share_of_zero_still_lets_the_evaluation_floor_through_and_reports_no_share():
+    p = WorkConserving(busy_share=0.0, eval_share=0.5, window_s=10.0)
+    assert p.verdict(load(now=10.0, running=1), 0.01, "train").reason == "busy-share-off"
+    p.verdict(load(now=10.0, running=1), 0.01, "eval")
+    assert p.verdict(load(now=11.0, running=1), 0.05, "eval").run and p.share == 0.0
+    assert p.verdict(load(now=11.0, running=1), 0.01, "train").reason == "busy-share-off"
+
+
 def test_a_controller_setting_out_of_range_is_a_one_line_error_naming_it():
     from helpers import tiny_config
 
@@ -305,6 +321,8 @@ def test_a_controller_setting_out_of_range_is_a_one_line_error_naming_it():
         tiny_config(training={"feedback": {"f_max": 1.5}})
     with pytest.raises(UserError, match="eval_share"):
         tiny_config(training={"eval_share": 1.5})
+    with pytest.raises(UserError, match="eval_share .* naive"):
+        tiny_config(training={"eval_share": 0.3, "co_schedule": "naive"})
     with pytest.raises(UserError, match="busy_share .* work_conserving"):  # a fixed share the controller would ignore
         tiny_config(training={"busy_share": 0.3})
     assert isinstance(make_policy(tiny_config().training), SlackFeedback)  # the default

@@ -200,7 +200,7 @@ def test_same_policy_objects_steer_the_engine_and_the_simulator(monkeypatch):
             eng.stop()
 
     assert sim_tokens() > 0 and engine_tokens() > 0
-    refuse = lambda self, load, unit_s: co_schedule.Verdict(False, "busy-share-off")  # noqa: E731
+    refuse = lambda self, load, unit_s, kind="train": co_schedule.Verdict(False, "busy-share-off")  # noqa: E731
     monkeypatch.setattr(co_schedule.WorkConserving, "verdict", refuse)
     assert sim_tokens() == 0 and engine_tokens() == 0
 

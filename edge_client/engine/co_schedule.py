@@ -33,8 +33,9 @@ Where the bucket's fill rate comes from is the policy's choice, with one floor f
 evaluation of the new global gates the round on every edge and the swap of the served version (the canary
 judges on it), and it is small (a few seconds of forward units), so while an evaluation job is current the
 bucket fills at least at `training.eval_share` even where training gets nothing. Its units still pass the
-per-step cap and the slack guard; only the share is floored.
-
+per-step cap and the slack guard; only the rate is floored, and the share the rule reports stays training's.
+With a floor set, the bucket empties when the job kind switches: training never spends what the floor
+filled. With eval_share 0 (the default) nothing of this applies.
 
 * `slo_feedback` (CoLLM's default): a feedback controller over *measured* latencies
   (`controller.SlackController`) sets f, the training seconds per wall-clock second the bucket
@@ -205,12 +206,12 @@ class WorkConserving(CoSchedule):
         return self._rate
 
     def _accrue(self, load: ServingLoad, kind: str = "train") -> None:
-        rate = self.fill_rate(load)
-        if kind == "eval" and not (load.waiting or load.prefill_left):
-            rate = max(rate, self.eval_share)  # the evaluation's floor (module docstring)
-        if kind != self._kind:  # what evaluation's floor filled is not training's to spend, nor the reverse
-            self.bucket, self._kind, self._accrued_at = 0.0, kind, load.now
-        self._rate = rate
+        rate = self._rate = self.fill_rate(load)
+        if self.eval_share > 0:  # the evaluation's floor (module docstring)
+            if kind == "eval" and not (load.waiting or load.prefill_left):
+                rate = max(rate, self.eval_share)
+            if kind != self._kind:  # what the floor filled is not training's to spend, nor the reverse
+                self.bucket, self._kind, self._accrued_at = 0.0, kind, load.now
         if self._accrued_at is not None:
             dt = max(0.0, load.now - self._accrued_at)
             self.bucket = min(self.bucket_max_s, self.bucket + dt * rate)
@@ -275,7 +276,7 @@ class SlackFeedback(WorkConserving):
 
     def _busy_verdict(self, load: ServingLoad, unit_s: float, kind: str = "train") -> Verdict:
         v = super()._busy_verdict(load, unit_s, kind)
-        if not v.run:
+        if not v.run and kind == "train":  # what the controller learns is about training's share
             self.controller.note_refusal(v.reason)
         return v
 

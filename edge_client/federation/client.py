@@ -70,8 +70,9 @@ class FederatedEdge:
 
     def measure_reference(self) -> None:
         """Queue the evaluation of the version served at start, the canary's first reference, so that it
-        runs in the idle time before traffic and rounds instead of inside round 1's evaluation (where a
-        busy replica can hold it up for minutes and the swap, and every edge's round, wait on it)."""
+        runs when the edge joins (in the idle time before traffic, where there is some) instead of inside
+        round 1's evaluation (where a busy replica can hold it up for minutes and the swap, and every edge's
+        round, wait on it). It is background work like any evaluation: a round's job queued after it waits."""
         eng = self.rt.engine
         version = eng.shadow.current_version
         info = eng.shadow.info_of(version)
