@@ -69,7 +69,7 @@ def serve(cfg: EdgeConfig) -> int:
     sock = bind_listen_socket(cfg.api.host, cfg.api.port)  # before anything slow: a clash is one line
     rt = EdgeRuntime(cfg)
     if cfg.federation.enabled:
-        from collm.edge_client.federation.client import EdgeFederation
+        from collm.edge_client.federation.service import EdgeFederation
 
         rt.federation = EdgeFederation(rt)
     app = create_app(rt)

@@ -421,7 +421,7 @@ def test_a_request_that_cannot_start_in_time_gets_a_429_not_a_late_answer(tmp_pa
 
 def test_a_restarted_edge_catches_up_to_the_checkpointed_global_before_it_serves(tmp_path):
     """State dir says v1 (what the edge served before it died); the server has since written round 4."""
-    from collm.edge_client.federation.client import EdgeFederation
+    from collm.edge_client.federation.service import EdgeFederation
     from collm.server.checkpoints import write_round
 
     state_dir, ckpt = tmp_path / "state", tmp_path / "ckpt"

@@ -203,7 +203,7 @@ class ReplicaCore:
         """May the current job's next unit (predicted `unit_s`) run now? The policy decides (an evaluation's
         units by its floor, co_schedule's docstring)."""
         load = self.serving_load(now, arriving)
-        v = self.policy.verdict(load, unit_s, "eval" if self.job is not None and self.job.kind == "eval" else "train")
+        v = self.policy.verdict(load, unit_s, self.job.kind if self.job is not None else "train")
         self._note("verdict", now, v.run, v.reason)
         return v, load
 

@@ -11,8 +11,8 @@
 Both handlers swap through the canary gate (`evaluate_global`, `adopt_global`); a global the gate
 refused is never served, not even when a later TRAIN message carries it again, and one that first
 arrives in a TRAIN message is gated there.
-`EdgeFederation(runtime)` is the service `collm-edge` attaches to its runtime: the handlers plus a
-`SuperNodeExecutor` that runs them in-process. The module's `app` exists so the Flower app bundle
+`service.EdgeFederation(runtime)` is the service `collm-edge` attaches to its runtime: these handlers
+plus a `SuperNodeExecutor` that runs them in-process. The module's `app` exists so the Flower app bundle
 names a ClientApp; it runs on whichever edge `bind` chose.
 """
 
@@ -28,11 +28,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 from flwr.common.constant import ErrorCode
 from flwr.clientapp import ClientApp
 
-from collm.common import lora_rank
 from collm.common import protocol as P
-from collm.common.adapter_io import check_compatible, load_adapter
-from collm.common.errors import UserError
-from collm.common.rounds import latest_complete_round, round_dir
 from collm.common.run_proof import PROOF_KEY
 from collm.common.run_proof import refusal as run_refusal
 from collm.edge_client.federation.canary import canary_verdict
@@ -263,7 +259,7 @@ class FederatedEdge:
         info = shadow.info_of(serving)
         serving_loss = info.eval_loss if info else None
         if serving_loss is None:  # e.g. the initial adapter: measure it once, so the gate has a reference
-            serving_loss = self._reference_loss(serving)
+            serving_loss = self._evaluate_serving(serving).loss
         report = _evaluated(eng.evaluate(state=state).result(), self.rt.cfg.name)
         verdict = canary_verdict(report.loss, serving_loss, margin)
         if verdict.accept:
@@ -275,23 +271,19 @@ class FederatedEdge:
                     version, serving, verdict.reason)
         return report, verdict.reason
 
-    def _reference_loss(self, version: int) -> float:
-        """The served `version`'s holdout loss: from the evaluation queued at start if it is of this
-        version and did not fail (waiting for it if it still runs), else measured now."""
+    def _evaluate_serving(self, version: int):
+        """Evaluate the served `version` and record its loss on it: the canary's reference and
+        /v1/models' eval_loss. The evaluation queued at start (`measure_reference`) is taken if it is of
+        this version and did not fail (waiting for it if it still runs)."""
         ref, self._reference = self._reference, None
         if ref is not None and ref[0] == version:
             try:
-                loss = _evaluated(ref[1].result(), self.rt.cfg.name).loss
-                self.rt.engine.shadow.set_eval_loss(version, loss)
-                return loss
+                report = _evaluated(ref[1].result(), self.rt.cfg.name)
+                self.rt.engine.shadow.set_eval_loss(version, report.loss)
+                return report
             except Exception as e:  # noqa: BLE001 - measured again below
                 log.warning("edge %s: the reference evaluation queued at start failed (%s); measuring again",
                             self.rt.cfg.name, e)
-        return self._evaluate_serving(version).loss
-
-    def _evaluate_serving(self, version: int):
-        """Evaluate the served `version` and record its loss on it: the canary's reference and
-        /v1/models' eval_loss."""
         report = _evaluated(self.rt.engine.evaluate(version=version).result(), self.rt.cfg.name)
         self.rt.engine.shadow.set_eval_loss(version, report.loss)
         return report
@@ -308,80 +300,6 @@ def _evaluated(report, edge: str):
     if report.loss is None:  # the engine stopped before evaluating anything
         raise RuntimeError(f"edge {edge}: evaluation did not run")
     return report
-
-
-class EdgeFederation:
-    """The service `collm-edge` attaches to its runtime when federation is enabled: the handlers
-    above, run in-process by a `SuperNodeExecutor` that keeps a child flower-supernode connected."""
-
-    def __init__(self, runtime: EdgeRuntime):
-        self.rt = runtime
-        self.edge = FederatedEdge(runtime)
-        self.executor = None
-
-    def start(self) -> None:
-        from collm.edge_client.federation.executor import SuperNodeExecutor
-
-        cfg = self.rt.cfg
-        f = cfg.federation
-        if f.bootstrap_from:
-            self.catch_up(f.bootstrap_from)
-        self.edge.measure_reference()
-        self.executor = SuperNodeExecutor(
-            self.edge.client_app(), superlink=f.superlink, runtime_port=f.runtime_port,
-            node_config={"name": cfg.name, **f.node_config}, insecure=f.insecure,
-            root_certificates=f.root_certificates, auth_private_key=f.auth_private_key, name=cfg.name,
-            nice=f.supernode_nice)
-        self.executor.start()
-        log.info("edge %s: taking part in federated rounds via SuperLink %s", cfg.name, f.superlink)
-
-    def catch_up(self, checkpoint_dir: str) -> int | None:
-        """Serve the latest complete round's global adapter from `checkpoint_dir` if it is newer than
-        what this edge serves (a restarted edge must not serve a stale version until its next round)."""
-        r = latest_complete_round(checkpoint_dir)
-        engine = self.rt.engine
-        if r <= self.rt.latest_round:
-            return None
-        try:
-            state, adapter_cfg = load_adapter(round_dir(checkpoint_dir, r))
-            state = self._at_own_rank(state, adapter_cfg)
-        except UserError as e:
-            log.warning("edge %s: cannot read round %d's adapter from %s: %s", self.rt.cfg.name, r, checkpoint_dir, e)
-            return None
-        if problems := check_compatible(state, engine.layers.expected_shapes()):
-            log.warning("edge %s: round %d's adapter does not fit this model: %s", self.rt.cfg.name, r, problems[0])
-            return None
-        self.rt.publish_global(state, r, source="bootstrap")
-        log.info("edge %s: caught up to the global adapter of round %d from %s", self.rt.cfg.name, r, checkpoint_dir)
-        return r
-
-    def _at_own_rank(self, state: dict, adapter_cfg: dict) -> dict:
-        """A checkpoint of another rank (a mixed-rank federation) fitted to this edge's `lora.r`."""
-        try:
-            rank = lora_rank.rank_of({k: v.numpy() for k, v in state.items()})
-        except ValueError as e:
-            raise UserError(f"not a LoRA adapter: {e}") from None
-        lora = self.rt.cfg.lora
-        alpha = adapter_cfg.get("lora_alpha")
-        if (rank == lora.r and alpha == lora.alpha) or not isinstance(alpha, (int, float)) or alpha <= 0:
-            return state  # as this edge trains it, or no alpha to fit by: check_compatible decides
-        want = {k: (rank, s[1]) if "lora_A" in k else (s[0], rank) for k, s in self.rt.engine.layers.expected_shapes().items()}
-        if problems := check_compatible(state, want):  # other modules or sizes: no fit can make it this model's
-            raise UserError(problems[0])
-        state, energy = fit_to_rank(state, float(alpha), lora.r, lora.alpha, self.rt.engine.initial_state)
-        log.info("edge %s: the checkpoint's rank-%d adapter fitted to rank %d (energy kept %.3f)", self.rt.cfg.name,
-                 rank, lora.r, energy)
-        return state
-
-    def stop(self) -> None:
-        if self.executor is not None:
-            self.executor.stop()
-
-    def status(self) -> dict:
-        ex = self.executor
-        return {**self.edge.status(), "superlink": self.rt.cfg.federation.superlink,
-                "executor_running": bool(ex and ex.running), "tasks_done": ex.tasks_done if ex else 0,
-                "last_error": ex.last_error if ex else None}
 
 
 # The ClientApp named in the app bundle (pyproject [tool.flwr.app.components]).
