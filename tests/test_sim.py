@@ -272,7 +272,9 @@ def test_collm_edge_profile_writes_a_profile_the_simulator_runs_on(tmp_path):
     other = "What is the capital of Peru?"
     assert p.template_tokens == d["model"]["chat_template_tokens"] > 0
     assert p.template_tokens == len(chat_prompt_ids(tok, other)) - len(tok.encode(other, add_special_tokens=False))
-    assert p.step_s(4, 0, 400) > p.step_s(1, 0, 100) > 0 and p.idle_train_tokens_per_s > 0
+    # a step with a prefill chunk costs more than a lone decode (decode-only steps of the tiny model are too
+    # close to tell apart: on some machines one decode measures slower than four, and the profile keeps that)
+    assert p.step_s(4, 256, 656) > p.step_s(1, 0, 100) > 0 and p.idle_train_tokens_per_s > 0
     w = World(cfg(), "collm", [p, p], 0)
     w.run([[TraceRequest(0.5 * i, 20, 4) for i in range(10)]], 0.0, 0.0)
     assert len(w.out) == 10 and all(s.status == "length" for s in w.out)
