@@ -115,6 +115,10 @@ class RoutingConfig(Strict):
     pack_spare: float = Field(0.0, ge=0, le=1, description="... and at least this spare capacity (the fraction of "
                               "their window not spent serving) go to the edge with the most requests, so the others "
                               "train in idle time")
+    pack_newest: bool = Field(False, description="slo_pack policy: gather on the edge serving the newest global "
+                              "adapter first (then the one with the most requests): after a round, the edge that "
+                              "trained evaluates and swaps first, takes the light load, and the other drains and "
+                              "evaluates in idle time instead of behind its traffic")
     pack_gate: float | None = Field(0.5, ge=-1, lt=1, allow_inf_nan=False, description="slo_pack policy: gather "
                                     "only while the measured TTFT slack of the router's recent first tokens (1 - "
                                     "admission_feedback.quantile of TTFT / target over its window) is at least this; "
@@ -160,7 +164,7 @@ class RoutingConfig(Strict):
             typical_output_tokens=float(self.typical_output_tokens if typical_output_tokens is None
                                         else typical_output_tokens),
             tie_margin=self.tie_margin, comfort=self.comfort, pack_slack=self.pack_slack,
-            pack_spare=self.pack_spare, probe_after_s=self.probe_after_s)
+            pack_spare=self.pack_spare, pack_newest=self.pack_newest, probe_after_s=self.probe_after_s)
 
 
 class ProxyConfig(Strict):

@@ -76,6 +76,7 @@ class Columns:
     budget: np.ndarray
     safety: np.ndarray
     share: np.ndarray  # training_share: the p2c tie-break after load
+    version: np.ndarray  # adapter_version: slo_pack's first key with pack_newest (NaN: unknown)
 
 
 def columns_from_views(views: list[EdgeView]) -> Columns:
@@ -154,8 +155,11 @@ def choose_slo(c: Columns, x: RequestView, rng: random.Random, a: Assumptions = 
         i = int(near[0])
         return Decision(c.names[i], _estimate(c, e, i), "best", soonest)
     roomy = near[(slack[near] >= a.pack_slack) & (c.spare[near] >= a.pack_spare)] if pack else near[:0]
-    if len(roomy):  # the most requests, then the least training, then the first (policy.choose_slo)
-        order = np.lexsort((np.arange(len(roomy)), c.share[roomy], -e["n"][roomy]))
+    if len(roomy):  # (the newest version,) the most requests, the least training, the first (policy.choose_slo)
+        keys = (np.arange(len(roomy)), c.share[roomy], -e["n"][roomy])
+        if a.pack_newest:
+            keys += (-np.where(np.isnan(c.version[roomy]), -np.inf, c.version[roomy]),)
+        order = np.lexsort(keys)
         i = int(roomy[order[0]])
         return Decision(c.names[i], _estimate(c, e, i), f"pack among {len(roomy)}", soonest)
     i, j = rng.sample(range(len(near)), 2)

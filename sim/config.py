@@ -98,6 +98,7 @@ class RouterSim(Strict):
     probe_after_s: float = Field(_ROUTING.probe_after_s, gt=0, description="routing.probe_after_s")
     pack_slack: float = Field(_ROUTING.pack_slack, ge=0, le=1, description="routing.pack_slack (slo_pack)")
     pack_spare: float = Field(_ROUTING.pack_spare, ge=0, le=1, description="routing.pack_spare (slo_pack)")
+    pack_newest: bool = Field(_ROUTING.pack_newest, description="routing.pack_newest (slo_pack)")
     pack_gate: float | None = Field(_ROUTING.pack_gate, ge=-1, lt=1, allow_inf_nan=False,
                                     description="routing.pack_gate (slo_pack)")
 

@@ -119,7 +119,7 @@ class World(FederationRounds):
         self.counter = 0
         self.assumptions = RoutingConfig(  # what collm-router assumes, with the sim's edge safety
             edge_slo_safety=cfg.slo_safety, probe_after_s=r.probe_after_s, pack_slack=r.pack_slack,
-            pack_spare=r.pack_spare).assumptions()
+            pack_spare=r.pack_spare, pack_newest=r.pack_newest).assumptions()
         S = len(self.serving)
         self._init_columns()
         per_router = math.ceil(S / self.shards) if S else 0  # each router polls its own edges
@@ -317,6 +317,7 @@ class World(FederationRounds):
                 d["spare"][j] = w["spare"][i]
                 d["finish_rate"][j] = w["fin"][i] / w["span"]
                 d["share"][j] = w["train"][i] / w["span"]
+                d["version"][j] = e.version.version
                 self.scraped_at[j] = now
         self.push(now + self.cfg.router.interval_s, TICK)
 

@@ -26,7 +26,8 @@ def random_view(i: int, rng: random.Random) -> EdgeView:
         training_active=rng.random() < 0.5, training_busy=rng.random() * 0.6, spare_capacity=rng.random(),
         finish_rate=rng.choice([0.0, rng.random() * 3]), unused_s=rng.random() * 10,
         step_token_budget=rng.choice([None, 0.0, 64.0, 512.0]), slo_safety=rng.choice([None, 0.7]),
-        training_share=rng.choice([0.0, 0.3, rng.random()]))
+        training_share=rng.choice([0.0, 0.3, rng.random()]),
+        adapter_version=rng.choice([None, float("nan"), 0.0, 1.0, 2.0, float(rng.randint(0, 3))]))
 
 
 def random_request(rng: random.Random) -> RequestView:
@@ -46,7 +47,8 @@ def test_columnar_slo_rule_decides_as_the_reference_rule(n_edges):
         seed = rng.random()
         pack = trial % 2 == 1  # the slo_pack variant on every other snapshot, at random thresholds
         if pack:
-            a = replace(a, pack_slack=rng.choice([0.0, 0.3, 0.6]), pack_spare=rng.choice([0.0, 0.3, 0.6]))
+            a = replace(a, pack_slack=rng.choice([0.0, 0.3, 0.6]), pack_spare=rng.choice([0.0, 0.3, 0.6]),
+                        pack_newest=rng.random() < 0.5)
         ref = policy.choose_slo(views, x, random.Random(seed), a, pack)
         got = fleet.choose_slo(fleet.columns_from_views(views), x, random.Random(seed), a, pack)
         assert got == ref, (trial, views, x)  # same edge, same estimate to the bit, same reason, same soonest
