@@ -269,6 +269,9 @@ class FederationConfig(Strict):
     root_certificates: str | None = Field(None, description="CA file to verify the SuperLink (TLS)")
     auth_private_key: str | None = Field(None, description="SuperNode key (OpenSSH ECDSA) for node authentication")
     node_config: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    fleet_poll_s: float = Field(0.5, gt=0, le=3, description="at most this many seconds between the SuperNode's "
+                                "pulls from the SuperLink while it has no message (flwr waits 3 s, and each of a "
+                                "round's three exchanges waited for it)")
     supernode_nice: int = Field(10, ge=0, le=19, description="scheduling niceness of the child flower-supernode: "
                                 "relaying round messages is background work, serving on this device goes first")
     run_key: KeySource = Field(KeySource(), description="act only on messages signed with one of these keys (the "

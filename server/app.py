@@ -20,6 +20,7 @@ from collm.common.errors import UserError
 from collm.common.rounds import latest_complete_round, write_status
 from collm.server.checkpoints import check_lora_matches, load_all_metrics, load_latest_good
 from collm.server.config import ServerConfig, load_server_config
+from collm.server.polling import QuickGrid
 from collm.server.strategies import build_strategy
 
 app = ServerApp()
@@ -57,7 +58,7 @@ def run(grid: Grid, cfg: ServerConfig) -> None:
     if done:
         strategy.restore_history({r: m for r, m in load_all_metrics(cfg.checkpoint_dir).items() if r <= done})
     t0 = time.time()
-    strategy.start(grid=grid, initial_arrays=arrays, num_rounds=cfg.rounds - done,
+    strategy.start(grid=QuickGrid(grid, cfg.reply_poll_s), initial_arrays=arrays, num_rounds=cfg.rounds - done,
                    timeout=cfg.round_timeout_s, train_config=ConfigRecord(), evaluate_config=ConfigRecord())
     log(INFO, "rounds %d-%d finished in %.1f s", done + 1, cfg.rounds, time.time() - t0)
     write_status(cfg.checkpoint_dir, {"round": latest_complete_round(cfg.checkpoint_dir), "phase": "finished",

@@ -115,6 +115,9 @@ class ServerConfig(Strict):
                                       "holds it act on this run's messages only")
     round_timeout_s: float = Field(600.0, gt=0, description="how long to wait for TRAIN/EVALUATE replies")
     query_timeout_s: float = Field(60.0, gt=0, description="how long to wait for load reports")
+    reply_poll_s: float = Field(0.25, gt=0, le=3, description="seconds between the server's pulls for replies "
+                                "(server/polling.py; flwr waits 3 s, so each of a round's three exchanges ended up "
+                                "to 3 s after its last reply)")
 
     @property
     def nodes_after_first_round(self) -> int:

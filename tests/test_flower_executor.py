@@ -1,8 +1,8 @@
 """The Flower plumbing on loopback: a real SuperLink, two in-process executors, `collm-server`.
 
-One module-scoped federation is run once (about 25 s on 2 cores: Flower's fixed 3 s polls,
-about 3 s per message exchange, and the start-up of five Python processes) and the tests
-below check what it recorded. It uses its own tiny
+One module-scoped federation is run once (about 25 s on 2 cores, mostly the start-up of five Python
+processes; its exchanges poll as collm's do: the edges' `fleet_poll_s`, the server's `QuickGrid`) and the
+tests below check what it recorded. It uses its own tiny
 app (tests/flower_testapp), so CoLLM's real strategy and handlers can change freely.
 """
 
@@ -190,7 +190,8 @@ def _run_federation(home: Path) -> SimpleNamespace:
         t_superlink = time.monotonic() - t0
         for i, name in enumerate(NODES):
             executor = SuperNodeExecutor(app.client_app, superlink=address, runtime_port=free_port(),
-                                         node_config={"name": name, "partition-id": i}, poll_interval=0.1)
+                                         node_config={"name": name, "partition-id": i}, poll_interval=0.1,
+                                         fleet_poll_s=0.2)
             executors.append(executor.start())
         t1 = time.monotonic()
         overrides = f'num-server-rounds=2 fail-node-name="{FAILING}"'
@@ -230,6 +231,31 @@ def _run_federation(home: Path) -> SimpleNamespace:
 
 def _node_id(federation, name: str) -> str:
     return next(str(c["node-id"]) for c in federation.calls if c["name"] == name)
+
+
+def test_the_fleet_loops_idle_wait_is_capped_where_flwr_has_it():
+    """fleet_wait.shorten_fleet_wait caps the SuperNode Fleet loop's hard-coded 3 s idle wait (flwr 1.42's
+    `start_client_internal`); the rest of the `time` module stays as it is."""
+    import inspect
+
+    import flwr.supernode.start_client_internal as fleet_loop
+
+    assert "time.sleep(3)" in inspect.getsource(fleet_loop)  # the wait it caps is still there
+    code = ("import time; from collm.edge_client.federation.fleet_wait import shorten_fleet_wait; "
+            "shorten_fleet_wait(0.05); import flwr.supernode.start_client_internal as m; "
+            "t = time.monotonic(); m.time.sleep(3); print(time.monotonic() - t, m.time.time() > 1e9)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    waited, clock_ok = out.stdout.split()
+    assert float(waited) < 1.0 and clock_ok == "True", out.stderr[-2000:]
+    with pytest.raises(ValueError, match="fleet_poll_s"):
+        SuperNodeExecutor(None, superlink="x:1", runtime_port=1, node_config={}, fleet_poll_s=0)
+
+
+@pytest.mark.slow
+def test_an_exchange_ends_within_a_fraction_of_a_second_of_its_reply(federation):
+    """Two rounds of one train exchange each: with flwr's 3 s waits on both sides they took about 6 s (each side
+    waits 0-3 s per exchange); with the edges' fleet_poll_s and the server's QuickGrid, well under 3 s."""
+    assert federation.summary["rounds-s"] < 3.0, federation.timings
 
 
 @pytest.mark.slow

@@ -47,14 +47,20 @@ _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 # `flower-supernode`, run by this interpreter (so its flwr is ours), that shuts down as on
 # SIGTERM once the process that started it is gone, even after a SIGKILL: an orphaned
 # SuperNode would keep its node online with nobody answering its messages, and its port taken.
+# With a poll interval (the second argument; empty: flwr's own 3 s), the SuperNode's Fleet loop waits at
+# most that long for its next pull while it has no message (`fleet_wait.py`).
 _SUPERNODE_LAUNCHER = """\
 import os, signal, sys, threading, time
 parent = int(sys.argv.pop(1))
+poll = sys.argv.pop(1)
 def watch_parent():
     while os.getppid() == parent:
         time.sleep(0.5)
     signal.raise_signal(signal.SIGTERM)
 threading.Thread(target=watch_parent, daemon=True).start()
+if poll:
+    from collm.edge_client.federation.fleet_wait import shorten_fleet_wait
+    shorten_fleet_wait(float(poll))
 from flwr.supernode.cli import flower_supernode
 sys.argv[0] = "flower-supernode"
 flower_supernode()
@@ -121,6 +127,9 @@ class SuperNodeExecutor:
         The node's OpenSSH ECDSA private key, for SuperNode authentication (TLS only).
     poll_interval : float (default: 0.2)
         Seconds between `AcquireTask` polls while idle (a loopback call, from the transport process).
+    fleet_poll_s : float | None (default: None)
+        At most this many seconds between the SuperNode's pulls from the SuperLink while it has no
+        message (None: flwr's own 3 s).
     nice : int (default: 10)
         Scheduling niceness of the SuperNode and the transport process: moving round messages is
         background work and must not take CPU time from serving on the same device (0: same
@@ -140,6 +149,7 @@ class SuperNodeExecutor:
         root_certificates: str | None = None,
         auth_private_key: str | None = None,
         poll_interval: float = 0.2,
+        fleet_poll_s: float | None = None,
         name: str | None = None,
         nice: int = 10,
     ) -> None:
@@ -148,6 +158,9 @@ class SuperNodeExecutor:
         self._client_app = client_app
         self._runtime_url = f"http://127.0.0.1:{runtime_port}"
         self._poll_interval = poll_interval
+        if fleet_poll_s is not None and not fleet_poll_s > 0:
+            raise ValueError(f"fleet_poll_s must be positive, got {fleet_poll_s!r}")
+        self._fleet_poll = "" if fleet_poll_s is None else repr(float(fleet_poll_s))
         self._nice = nice
         self.name = name or str(node_config.get("name", f"supernode:{runtime_port}"))
         tls = ["--insecure"] if insecure else []
@@ -269,7 +282,7 @@ class SuperNodeExecutor:
                 return None
             try:
                 self._proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
-                    [sys.executable, "-c", _SUPERNODE_LAUNCHER, str(os.getpid()), *self._supernode_args],
+                    [sys.executable, "-c", _SUPERNODE_LAUNCHER, str(os.getpid()), self._fleet_poll, *self._supernode_args],
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                     env=child_env(), text=True, errors="replace", preexec_fn=lower_priority(self._nice),
                 )  # fmt: skip

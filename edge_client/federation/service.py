@@ -41,7 +41,7 @@ class EdgeFederation:
             self.edge.client_app(), superlink=f.superlink, runtime_port=f.runtime_port,
             node_config={"name": cfg.name, **f.node_config}, insecure=f.insecure,
             root_certificates=f.root_certificates, auth_private_key=f.auth_private_key, name=cfg.name,
-            nice=f.supernode_nice)
+            nice=f.supernode_nice, fleet_poll_s=f.fleet_poll_s)
         self.executor.start()
         log.info("edge %s: taking part in federated rounds via SuperLink %s", cfg.name, f.superlink)
 

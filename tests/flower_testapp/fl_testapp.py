@@ -26,6 +26,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from collm.server.polling import QuickGrid
+
 server_app = ServerApp()
 client_app = ClientApp()
 CALLS: list[dict] = []  # one entry per ClientApp call, in the process that runs the ClientApp
@@ -72,6 +74,7 @@ def _wait_for_nodes(grid: Grid, n: int, timeout: float) -> list[int]:
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
+    grid = QuickGrid(grid, 0.1)  # collm-server's grid (server/polling.py): replies pulled every 0.1 s, not 3 s
     t0 = time.monotonic()
     node_ids = _wait_for_nodes(grid, 2, timeout=60)
     cfg = ConfigRecord({"fail-node-name": str(rc["fail-node-name"])})
