@@ -126,17 +126,21 @@ class ModeRun:
         if self.mode == "isolated":
             threading.Thread(target=self._reload_serving_replicas, daemon=True).start()
 
-    def _start_server(self) -> None:
-        wait_http(f"http://{self.superlink}/health", self.group, 120, "flower-superlink")
+    def server_config(self, base_model: str) -> dict:
+        """The ServerApp's config: configs/server.yaml with the bench's federation settings, the variant's last."""
         f = self.cfg.federation
         trainers = [e for e, role in zip(self.edges, self.roles) if "train" in role]
         server = yaml.safe_load(Path("configs/server.yaml").read_text())
         server.update({"rounds": f.rounds, "min_nodes": len(trainers), "checkpoint_dir": str(self.ckpt_dir),
                        "round_timeout_s": round_timeout_for(f.round_deadline_s), "query_timeout_s": 60,
-                       "base_model_name": self.base_model, "lora": trainers[0].lora.model_dump()})
+                       "base_model_name": base_model, "lora": trainers[0].lora.model_dump()})
         server["balancer"].update({"round_deadline_s": f.round_deadline_s, "round_token_budget": f.round_token_budget,
                                    "lr": f.lr, "mode": "slo" if is_collm(self.mode) else "uniform"})
-        (self.out / "server.yaml").write_text(yaml.safe_dump(server))
+        return deep_merge(server, variant_of(self.mode, self.cfg.variants).server)
+
+    def _start_server(self) -> None:
+        wait_http(f"http://{self.superlink}/health", self.group, 120, "flower-superlink")
+        (self.out / "server.yaml").write_text(yaml.safe_dump(self.server_config(self.base_model)))
         self.group.spawn("server", [str(BIN_DIR / "collm-server"), "--insecure", "--superlink", self.superlink,
                                     "-c", f'config="{self.out / "server.yaml"}"'], nice=COORDINATOR_NICE)
 

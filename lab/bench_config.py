@@ -20,6 +20,8 @@ class Variant(Strict):
 
     router: dict = Field(default_factory=dict, description="merged into its router's config, e.g. "
                          "{routing: {admission: false}}")
+    server: dict = Field(default_factory=dict, description="merged into its ServerApp's config last, e.g. "
+                         "{reply_poll_s: 3}")
     edge: dict = Field(default_factory=dict, description="merged into its edges' configs last (over what the bench "
                        "sets, e.g. training.max_eval_records from federation.eval_records), e.g. "
                        "{training: {feedback: {f_max: 0.5}}}")

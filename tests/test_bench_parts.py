@@ -266,6 +266,21 @@ def test_a_variants_edge_settings_win_over_what_the_bench_sets(tmp_path):
     assert variant.edges[0].training.co_schedule == cfg.co_schedule  # the rest of what the bench sets stays
 
 
+def test_a_variants_server_settings_reach_its_serverapp_only(tmp_path):
+    from collm.common.config import validate_config
+    from collm.lab.bench import ModeRun
+    from collm.server.config import ServerConfig
+
+    cfg = BenchConfig.model_validate({"modes": ["collm", "collm-slowpoll"], "federation": {"round_deadline_s": 20},
+                                      "variants": {"slowpoll": {"server": {"reply_poll_s": 3,
+                                                                           "balancer": {"spare_use": 0.5}}}}})
+    variant = validate_config(ServerConfig, ModeRun(cfg, "collm-slowpoll", tmp_path / "v").server_config("m"), "v")
+    plain = validate_config(ServerConfig, ModeRun(cfg, "collm", tmp_path / "c").server_config("m"), "c")
+    assert (variant.reply_poll_s, variant.balancer.spare_use) == (3, 0.5)
+    assert (plain.reply_poll_s, plain.balancer.spare_use) == (ServerConfig().reply_poll_s, ServerConfig().balancer.spare_use)
+    assert variant.balancer.round_deadline_s == plain.balancer.round_deadline_s == 20  # the bench's settings stay
+
+
 def test_the_ceiling_is_serve_onlys_idle_time_over_the_isolated_trainers_busy_time():
     """benchmarks/timeline_report.py's last table: what a co-located deployment could train against the
     isolated trainer from serve-only's idle time alone, beside what each co-located mode spent and got."""
