@@ -151,7 +151,7 @@ class Assumptions:
     comfort: float = 0.5
     pack_slack: float = 0.4   # slo_pack: gather requests only on edges with at least this slack ...
     pack_spare: float = 0.0   # ... and at least this spare capacity (not serving) over their window
-    pack_newest: bool = False  # ... to the newest adapter version first (then the most requests)
+    pack_newest: bool = True  # ... to the newest adapter version first (then the most requests)
     probe_after_s: float = float("inf")
 
 

@@ -274,11 +274,12 @@ def test_pack_newest_gathers_on_the_edge_that_serves_the_newest_global():
 
     assert scrape_from_metrics(_metrics(ADAPTER_VERSION=4), at=0.0, outstanding_at=0).adapter_version == 4.0
     assert math.isnan(scrape_from_metrics(_metrics(), at=0.0, outstanding_at=0).adapter_version)  # not exported
-    newest = Assumptions(pack_newest=True)
+    newest = Assumptions()  # pack_newest is the default
     old = idle("old", running=2, spare_capacity=0.6, adapter_version=3.0)
     new = idle("new", running=0, spare_capacity=1.0, adapter_version=4.0)
     assert {choose("slo_pack", [old, new], X, random.Random(s), a=newest).edge for s in range(30)} == {"new"}
-    assert {choose("slo_pack", [old, new], X, random.Random(s)).edge for s in range(30)} == {"old"}
+    assert {choose("slo_pack", [old, new], X, random.Random(s), a=Assumptions(pack_newest=False)).edge
+            for s in range(30)} == {"old"}
     assert {choose("slo_pack", [old, replace(new, adapter_version=3.0)], X, random.Random(s), a=newest).edge
             for s in range(30)} == {"old"}
     assert {choose("slo_pack", [replace(old, adapter_version=None), replace(new, adapter_version=0.0)], X,
@@ -314,12 +315,12 @@ def test_the_routers_settings_reach_the_rule_by_name():
     from collm.router.config import RouterConfig
 
     routing = dict(step_token_budget=128, edge_slo_safety=0.7, typical_output_tokens=20, tie_margin=0.02,
-                   comfort=0.4, probe_after_s=7.0, pack_slack=0.55, pack_spare=0.05, pack_newest=True,
+                   comfort=0.4, probe_after_s=7.0, pack_slack=0.55, pack_spare=0.05, pack_newest=False,
                    policy="slo_pack")
     cfg = validate_config(RouterConfig, {"edges": [{"name": "e0", "url": "http://127.0.0.1:1"}],
                                          "routing": routing}, "test")
     a = create_app(cfg).state.router.assumptions()
     assert (a.step_token_budget, a.slo_safety, a.typical_output_tokens, a.tie_margin, a.comfort, a.probe_after_s,
-            a.pack_slack, a.pack_spare, a.pack_newest) == (128, 0.7, 20.0, 0.02, 0.4, 7.0, 0.55, 0.05, True)
+            a.pack_slack, a.pack_spare, a.pack_newest) == (128, 0.7, 20.0, 0.02, 0.4, 7.0, 0.55, 0.05, False)
     serving, empty = idle("serving", running=1, spare_capacity=0.1), idle("empty", spare_capacity=1.0)
     assert choose("slo_pack", [serving, empty], X, random.Random(0), a=a).edge == "serving"  # spare 0.1 >= 0.05
