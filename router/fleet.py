@@ -158,7 +158,7 @@ def choose_slo(c: Columns, x: RequestView, rng: random.Random, a: Assumptions = 
     if len(roomy):  # (the newest version,) the most requests, the least training, the first (policy.choose_slo)
         keys = (np.arange(len(roomy)), c.share[roomy], -e["n"][roomy])
         if a.pack_newest:
-            keys += (-np.where(np.isnan(c.version[roomy]), -np.inf, c.version[roomy]),)
+            keys += (-np.where(np.isfinite(c.version[roomy]), c.version[roomy], -np.inf),)  # unknown: last
         order = np.lexsort(keys)
         i = int(roomy[order[0]])
         return Decision(c.names[i], _estimate(c, e, i), f"pack among {len(roomy)}", soonest)

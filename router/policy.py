@@ -126,9 +126,10 @@ COLUMN_FIELDS = {"outstanding_at": "outstanding_at", "queue": "queue_depth", "ru
                  "finish_rate": "finish_rate", "budget": "step_token_budget", "safety": "slo_safety",
                  "share": "training_share", "version": "adapter_version"}
 # What a scrape says about the edge's load at the time: a stale scrape drops these (the router then
-# counts only its own requests in flight there) and keeps the rest, the edge's limits and costs.
+# counts only its own requests in flight there) and keeps the rest, the edge's limits and costs. The
+# served version goes with them: an edge whose scrapes stopped must not draw the gathered load by it.
 LOAD_FIELDS = ("outstanding_at", "queue_depth", "running", "training_active", "training_busy", "spare_capacity",
-               "finish_rate", "training_share")
+               "finish_rate", "training_share", "adapter_version")
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,8 @@ def choose_slo(edges: list[EdgeView], x: RequestView, rng: random.Random,
                a: Assumptions = Assumptions(), pack: bool = False) -> Decision:
     """The `slo` policy: most normalised SLO slack, near-ties by power of two choices. `pack` (the
     `slo_pack` policy): near-ties with at least `pack_slack` slack and `pack_spare` spare capacity go
-    to the one with the most requests instead (then the one that trains less, then the first), so a
+    to the one serving the newest adapter version (`pack_newest`), then the one with the most requests
+    (then the one that trains less, then the first), so a
     light load gathers on few edges and the others train in idle time, where a unit costs serving
     nothing (and a busier edge batches its decodes better); once no near edge has that much room the
     load spreads by power of two choices again."""

@@ -50,7 +50,7 @@ class Scrape:
     step_token_budget: float | None  # None: an edge that does not export it (config default)
     slo_safety: float | None
     training_share: float = 0.0  # all training over the window, idle time included (a tie-break)
-    adapter_version: float | None = None  # the global version it serves (routing.pack_newest); None: not exported
+    adapter_version: float | None = None  # the global version it serves (routing.pack_newest); NaN: not exported
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

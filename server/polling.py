@@ -1,8 +1,9 @@
 """The ServerApp's grid, collecting replies sooner: the same messages, pulled every `poll_s` seconds.
 
 flwr 1.42's `send_and_receive` pushes a phase's messages, then pulls the replies and sleeps a hard-coded
-3 s between pulls, so each of a round's three exchanges (query, train, evaluate) ends on average 1.5 s
-after its last reply arrived, up to 3 s (shared/research/flower-1.42.md). A round of about a minute
+3 s between pulls (the grid `flwr-serverapp` hands a ServerApp; the simulation's in-memory grid polls
+every 0.1 s, and collm does not run on it), so each of a round's three exchanges (query, train, evaluate)
+ends on average 1.5 s after its last reply arrived, up to 3 s. A round of about a minute
 loses up to 9 s to it, and the served model gets each new global that much later. `QuickGrid` keeps
 the grid's own push and pull and only shortens the wait between pulls; a pull is one loopback call to
 the SuperLink's ServerAppIo API.

@@ -254,8 +254,8 @@ def test_the_fleet_loops_idle_wait_is_capped_where_flwr_has_it():
 @pytest.mark.slow
 def test_an_exchange_ends_within_a_fraction_of_a_second_of_its_reply(federation):
     """Two rounds of one train exchange each: with flwr's 3 s waits on both sides they took about 6 s (each side
-    waits 0-3 s per exchange); with the edges' fleet_poll_s and the server's QuickGrid, well under 3 s."""
-    assert federation.summary["rounds-s"] < 3.0, federation.timings
+    waits 0-3 s per exchange); with the edges' fleet_poll_s and the server's QuickGrid, well under 4 s."""
+    assert federation.summary["rounds-s"] < 4.0, federation.timings
 
 
 @pytest.mark.slow

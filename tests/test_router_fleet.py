@@ -27,7 +27,7 @@ def random_view(i: int, rng: random.Random) -> EdgeView:
         finish_rate=rng.choice([0.0, rng.random() * 3]), unused_s=rng.random() * 10,
         step_token_budget=rng.choice([None, 0.0, 64.0, 512.0]), slo_safety=rng.choice([None, 0.7]),
         training_share=rng.choice([0.0, 0.3, rng.random()]),
-        adapter_version=rng.choice([None, float("nan"), 0.0, 1.0, 2.0, float(rng.randint(0, 3))]))
+        adapter_version=rng.choice([None, float("nan"), float("inf"), -float("inf"), 1.0, float(rng.randint(0, 3))]))
 
 
 def random_request(rng: random.Random) -> RequestView:
