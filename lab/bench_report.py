@@ -19,10 +19,14 @@ VARIANT_COLORS = ("#1b9e77", "#e7298a", "#a6761d", "#666666")
 
 def ratio_pairs(modes) -> list[tuple[str, str]]:
     """Which modes are compared: collm against each baseline, and each collm variant against collm and the
-    baselines (those whose modes ran)."""
+    baselines (those whose modes ran). A run of variants only (an A/B of two settings, neither the default)
+    reads each later variant against the first one listed."""
     pairs = [("collm", "isolated"), ("collm", "colocated-naive"), ("collm", "serve-only")]
-    for v in (m for m in modes if m.startswith("collm-")):
-        pairs += [(v, "collm"), (v, "isolated"), (v, "serve-only")]
+    variants = [m for m in modes if m.startswith("collm-")]
+    reference = "collm" if "collm" in modes or not variants else variants[0]
+    for v in variants:
+        pairs += [(v, reference)] if v != reference else []
+        pairs += [(v, "isolated"), (v, "serve-only")]
     return pairs
 
 

@@ -248,6 +248,9 @@ def test_a_collm_variant_is_named_by_config_and_compared_with_collm_and_the_base
     assert variant_of("collm", cfg.variants).router == {} and variant_of("isolated", cfg.variants).edge == {}
     assert router_policy("collm-noadmit", "slo") == "slo" and router_policy("isolated", "slo") == "round_robin"
     assert ("collm-noadmit", "collm") in ratio_pairs(["serve-only", "collm", "collm-noadmit"])
+    only_variants = ratio_pairs({"serve-only": {}, "collm-new": {}, "collm-before": {}, "isolated": {}})
+    assert ("collm-before", "collm-new") in only_variants and ("collm-new", "collm-new") not in only_variants
+    assert ("collm-new", "isolated") in only_variants and ("collm-before", "serve-only") in only_variants
     with pytest.raises(ValidationError, match="collm-pack' is not a mode.*named: collm-noadmit"):
         BenchConfig.model_validate({"modes": ["collm-pack"], "variants": {"noadmit": {}}})
 
