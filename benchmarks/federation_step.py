@@ -1,0 +1,119 @@
+"""How far one round moves the served model: two edges averaged against one trainer, and server steps.
+
+The bench's topology without its serving: the bundled SmolLM2-135M-Instruct, the Dolly records split by
+category into the bench's two halves (`partition_by_category(load_records(), 2)`), the bench's lr (5e-4),
+each round's global judged on the bench's fixed held-out set (24 records across every category, as
+`lab.bench_quality.QualityJudge`). No carry between rounds, no deadline: each edge trains exactly its tokens.
+Variants (comma-separated `--variants`), each on fresh engines with the same seeds:
+
+* avg                 collm's federation: both edges train `--tokens` from the global; flwr's weighted average
+* sum                 the same, the deltas summed (server step = number of edges: sequential training, to first order)
+* lr<eta>             the average's delta times eta (FedAvgM's server learning rate, no momentum)
+* m<beta>             FedAvgM: server momentum beta, server learning rate 1
+* asym:<t0>/<t1>      avg with edge 0 training t0 tokens and edge 1 t1 (an idle edge beside a busy one)
+* single<x>           the isolated deployment's trainer: one engine holding both halves trains x * `--tokens`
+                      (single2: twice, single1.4: what isolated's trainer fills of a 6000 budget in 30 s)
+
+    python benchmarks/federation_step.py --tokens 3000 --rounds 4 --variants avg,sum,single2,single1.4   # ~12 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from federation_quality import aggregate  # noqa: E402  (flwr's weighted average, as the strategy runs it)
+
+LR = 5e-4  # configs/bench.yaml federation.lr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=3000, help="training tokens per edge and round")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--variants", default="avg,sum,single2,single1.4")
+    ap.add_argument("--out", default="runs/federation_step.json")
+    args = ap.parse_args()
+
+    from collm.common.data import categories, format_example, load_records, partition_by_category, split_holdout
+    from collm.edge_client.engine import Engine
+    from collm.edge_client.model.loading import load_model
+    from collm.edge_client.training.data import load_edge_data
+    from collm.edge_client.training.evaluation import EvalJob
+    from collm.edge_client.training.jobs import TrainBudget
+    from collm.lab.topology import edge_config
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    halves = [categories(p) for p in partition_by_category(load_records(), 2)]
+
+    def cfg(name, cats, threads):
+        return edge_config("bundled", name, out.parent / "federation_step", categories=cats,
+                           overrides={"engine": {"warmup": False}, "model": {"threads": threads},
+                                      "training": {"max_eval_records": 8, "carry_between_rounds": False}})
+
+    judge_cfg = cfg("judge", [], 2)
+    lm = load_model(judge_cfg.model)
+    judge = Engine(lm, judge_cfg)  # not started: evaluation runs synchronously here
+    by_cat: dict[str, list] = {}
+    for r in split_holdout(load_records(), 0.1)[1]:
+        by_cat.setdefault(r.category, []).append(r)
+    per = max(1, 24 // len(by_cat))
+    held = [format_example(lm.tokenizer, r, judge_cfg.training.max_seq_len) for rs in by_cat.values() for r in rs[:per]]
+
+    def judged(state) -> float:
+        w = judge.layers.serving_weights(state, -1, judge.device, judge.lm.dtype)
+        job = EvalJob(judge.parts, w, held, 8, judge.tokenizer.pad_token_id, judge.device)
+        job.run_all()
+        return float(job.report.loss)
+
+    results = {}
+    for v in [x.strip() for x in args.variants.split(",") if x.strip()]:
+        t0 = time.time()
+        if v.startswith("single"):
+            cfgs = [cfg("single", halves[0] + halves[1], 2)]
+            tokens = [int(float(v[6:]) * args.tokens)]
+        else:
+            cfgs = [cfg(f"edge{i}", halves[i], 1) for i in range(2)]
+            tokens = [int(t) for t in v[5:].split("/")] if v.startswith("asym:") else [args.tokens] * 2
+        engines = [Engine(load_model(c.model), c, load_edge_data(c.data)).start() for c in cfgs]
+        pool = ThreadPoolExecutor(len(engines))
+        glob, momentum = engines[0].initial_state, None
+        losses = [judged(glob)]
+        try:
+            for r in range(args.rounds):
+                start = glob
+                reps = list(pool.map(lambda et: et[0].train(TrainBudget(tokens=et[1]), global_state=start, lr=LR,
+                                                            serve_local=False).result(), zip(engines, tokens)))
+                mean = aggregate([rep.adapter_state for rep in reps], [max(rep.sequences, 1) for rep in reps])
+                delta = {k: mean[k] - start[k] for k in mean}
+                if v == "sum":
+                    delta = {k: len(reps) * d for k, d in delta.items()}
+                elif v.startswith("lr"):
+                    delta = {k: float(v[2:]) * d for k, d in delta.items()}
+                elif v.startswith("m"):
+                    momentum = delta if momentum is None else {k: float(v[1:]) * momentum[k] + delta[k] for k in delta}
+                    delta = momentum
+                glob = {k: start[k] + delta[k] for k in delta}
+                losses.append(judged(glob))
+                print(f"{v} round {r + 1}: held-out loss {losses[-1]:.4f}, tokens {[rep.tokens for rep in reps]}, "
+                      f"{time.time() - t0:.0f} s", flush=True)
+        finally:
+            for e in engines:
+                e.stop()
+        results[v] = losses
+    print("\n| variant | " + " | ".join(f"round {r}" for r in range(args.rounds + 1)) + " |")
+    print("|---" * (args.rounds + 2) + "|")
+    for v, losses in results.items():
+        print(f"| {v} | " + " | ".join(f"{x:.4f}" for x in losses) + " |")
+    out.write_text(json.dumps({"args": vars(args), "loss_by_round": results}, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
