@@ -197,10 +197,12 @@ class TrainingConfig(Strict):
                               "busy fraction); 0: only idle time")
     busy_margin: float = Field(0.1, ge=0, le=1)
     busy_window_s: float = Field(10.0, gt=0, description="window over which rho is measured")
-    eval_share: float = Field(0.0, ge=0, le=1, description="while a round's evaluation runs, its units may take "
+    eval_share: float = Field(0.25, ge=0, le=1, description="while a round's evaluation runs, its units may take "
                               "at least this share of the replica beside decodes (still within the per-step cap "
                               "and the slack guard), even when training gets none: the round on every edge and "
-                              "the served version's swap wait on it; 0: evaluation runs only where training would")
+                              "the served version's swap wait on it (docs/benchmarks.md, 'A budget for the "
+                              "idle edge'); 0: evaluation runs only where training would. co_schedule naive "
+                              "has no floor")
     default_round_tokens: int = Field(4096, ge=1, description="round budget when the server assigns none")
     finish_grace: float = Field(0.25, ge=0, le=1, description="a micro-batch in flight at the round's deadline "
                                 "may finish within this fraction of the deadline after it (no new one starts); "
@@ -220,7 +222,7 @@ class TrainingConfig(Strict):
             raise ValueError(f"training.busy_share ({self.busy_share:g}) is a setting of co_schedule: work_conserving; "
                              f"co_schedule is {self.co_schedule} (slo_feedback sets the share itself: "
                              "training.feedback)")
-        if self.eval_share > 0 and self.co_schedule == "naive":
+        if self.eval_share > 0 and self.co_schedule == "naive" and "eval_share" in self.model_fields_set:
             raise ValueError(f"training.eval_share ({self.eval_share:g}) is a floor of the SLO-aware policies; "
                              "co_schedule naive runs every unit at once: set eval_share to 0")
         return self

@@ -129,7 +129,7 @@ class SimConfig(Strict):
         "slo_feedback", description="collm edges' training.co_schedule (as in collm-bench)")
     feedback: FeedbackConfig = Field(default_factory=FeedbackConfig, description="collm edges' training.feedback")
     busy_share: float = Field(0.0, ge=0, le=1, description="collm edges' training.busy_share (work_conserving)")
-    eval_share: float = Field(0.0, ge=0, le=1, description="collm edges' training.eval_share (the evaluation's "
+    eval_share: float = Field(0.25, ge=0, le=1, description="collm edges' training.eval_share (the evaluation's "
                               "floor beside decodes)")
     collm_routing: Literal["slo", "slo_pack", "round_robin", "least_outstanding"] = "slo_pack"
     eval_records: int = Field(8, ge=1, description="holdout records each training edge evaluates per round")

@@ -35,7 +35,7 @@ judges on it), and it is small (a few seconds of forward units), so while an eva
 bucket fills at least at `training.eval_share` even where training gets nothing. Its units still pass the
 per-step cap and the slack guard; only the rate is floored, and the share the rule reports stays training's.
 With a floor set, the bucket empties when the job kind switches: training never spends what the floor
-filled. With eval_share 0 (the default) nothing of this applies.
+filled. With eval_share 0 nothing of this applies; the edge's default is 0.25 (its A/B: docs/benchmarks.md).
 
 * `slo_feedback` (CoLLM's default): a feedback controller over *measured* latencies
   (`controller.SlackController`) sets f, the training seconds per wall-clock second the bucket
