@@ -326,6 +326,9 @@ def test_a_controller_setting_out_of_range_is_a_one_line_error_naming_it():
     with pytest.raises(UserError, match="busy_share .* work_conserving"):  # a fixed share the controller would ignore
         tiny_config(training={"busy_share": 0.3})
     assert isinstance(make_policy(tiny_config().training), SlackFeedback)  # the default
+    assert make_policy(tiny_config().training).eval_share == 0.25  # the evaluation's floor is on by default
+    assert isinstance(make_policy(tiny_config(training={"co_schedule": "naive"}).training), Naive)  # the default
+    # floor does not stand in naive's way; only an eval_share set beside it does (above)
 
 
 # ------------------------------------------------------------------ units of a micro-batch
