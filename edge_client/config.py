@@ -222,7 +222,9 @@ class TrainingConfig(Strict):
             raise ValueError(f"training.busy_share ({self.busy_share:g}) is a setting of co_schedule: work_conserving; "
                              f"co_schedule is {self.co_schedule} (slo_feedback sets the share itself: "
                              "training.feedback)")
-        if self.eval_share > 0 and self.co_schedule == "naive" and "eval_share" in self.model_fields_set:
+        if self.co_schedule == "naive" and "eval_share" not in self.model_fields_set:
+            self.eval_share = 0.0  # naive has no floor; written out as such, the config reads back the same
+        if self.eval_share > 0 and self.co_schedule == "naive":
             raise ValueError(f"training.eval_share ({self.eval_share:g}) is a floor of the SLO-aware policies; "
                              "co_schedule naive runs every unit at once: set eval_share to 0")
         return self

@@ -327,8 +327,9 @@ def test_a_controller_setting_out_of_range_is_a_one_line_error_naming_it():
         tiny_config(training={"busy_share": 0.3})
     assert isinstance(make_policy(tiny_config().training), SlackFeedback)  # the default
     assert make_policy(tiny_config().training).eval_share == 0.25  # the evaluation's floor is on by default
-    assert isinstance(make_policy(tiny_config(training={"co_schedule": "naive"}).training), Naive)  # the default
-    # floor does not stand in naive's way; only an eval_share set beside it does (above)
+    naive = tiny_config(training={"co_schedule": "naive"}).training  # the default floor does not stand in
+    assert isinstance(make_policy(naive), Naive) and naive.eval_share == 0.0  # naive's way, only one set (above)
+    assert type(naive).model_validate(naive.model_dump()) == naive  # and it reads back as it was written
 
 
 # ------------------------------------------------------------------ units of a micro-batch
