@@ -2,8 +2,8 @@
 
 The bench's topology without its serving: the bundled SmolLM2-135M-Instruct, the Dolly records split by
 category into the bench's two halves (`partition_by_category(load_records(), 2)`), the bench's lr (5e-4),
-each round's global judged on the bench's fixed held-out set (24 records across every category, as
-`lab.bench_quality.QualityJudge`). No carry between rounds, no deadline: each edge trains exactly its tokens.
+each round's global judged by collm-bench's own `lab.bench_quality.QualityJudge` (24 held-out records
+across every category). No carry between rounds, no deadline: each edge trains exactly its tokens.
 Variants (comma-separated `--variants`), each on fresh engines with the same seeds:
 
 * avg                 collm's federation: both edges train `--tokens` from the global; flwr's weighted average
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,13 +40,18 @@ def main() -> None:
     ap.add_argument("--variants", default="avg,sum,single2,single1.4")
     ap.add_argument("--out", default="runs/federation_step.json")
     args = ap.parse_args()
+    variants = [x.strip() for x in args.variants.split(",") if x.strip()]
+    for v in variants:
+        if not re.fullmatch(r"avg|sum|(lr|m|single)\d+(\.\d+)?|asym:\d+/\d+", v):
+            ap.error(f"--variants: unknown variant {v!r} (avg, sum, lr<eta>, m<beta>, asym:<t0>/<t1>, single<x>)")
 
-    from collm.common.data import categories, format_example, load_records, partition_by_category, split_holdout
+    from collm.common.data import categories, load_records, partition_by_category
     from collm.edge_client.engine import Engine
     from collm.edge_client.model.loading import load_model
     from collm.edge_client.training.data import load_edge_data
-    from collm.edge_client.training.evaluation import EvalJob
     from collm.edge_client.training.jobs import TrainBudget
+    from collm.lab.bench_config import BenchConfig
+    from collm.lab.bench_quality import QualityJudge
     from collm.lab.topology import edge_config
 
     out = Path(args.out)
@@ -57,23 +63,12 @@ def main() -> None:
                            overrides={"engine": {"warmup": False}, "model": {"threads": threads},
                                       "training": {"max_eval_records": 8, "carry_between_rounds": False}})
 
-    judge_cfg = cfg("judge", [], 2)
-    lm = load_model(judge_cfg.model)
-    judge = Engine(lm, judge_cfg)  # not started: evaluation runs synchronously here
-    by_cat: dict[str, list] = {}
-    for r in split_holdout(load_records(), 0.1)[1]:
-        by_cat.setdefault(r.category, []).append(r)
-    per = max(1, 24 // len(by_cat))
-    held = [format_example(lm.tokenizer, r, judge_cfg.training.max_seq_len) for rs in by_cat.values() for r in rs[:per]]
-
-    def judged(state) -> float:
-        w = judge.layers.serving_weights(state, -1, judge.device, judge.lm.dtype)
-        job = EvalJob(judge.parts, w, held, 8, judge.tokenizer.pad_token_id, judge.device)
-        job.run_all()
-        return float(job.report.loss)
+    # collm-bench's own judge, on its held-out set (configs/bench.yaml: eval_records 24)
+    judged = QualityJudge(BenchConfig.model_validate({"model": "bundled", "out": str(out.parent / "federation_step"),
+                                                      "eval_records": 24})).loss
 
     results = {}
-    for v in [x.strip() for x in args.variants.split(",") if x.strip()]:
+    for v in variants:
         t0 = time.time()
         if v.startswith("single"):
             cfgs = [cfg("single", halves[0] + halves[1], 2)]
@@ -104,6 +99,7 @@ def main() -> None:
                 print(f"{v} round {r + 1}: held-out loss {losses[-1]:.4f}, tokens {[rep.tokens for rep in reps]}, "
                       f"{time.time() - t0:.0f} s", flush=True)
         finally:
+            pool.shutdown()
             for e in engines:
                 e.stop()
         results[v] = losses
