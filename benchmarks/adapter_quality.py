@@ -44,7 +44,7 @@ def edge_cfg(i: int, eval_records: int, rank: int | None = None):
     return load_config(EdgeConfig, ROOT / "configs" / "edge-smollm2.yaml", over)
 
 
-def fedavg(states: list[dict], examples: list[int]) -> dict:
+def fedavg(states: list[dict], examples: list[float]) -> dict:
     """The server's FedAvg: flwr's own aggregation, weighted by num-examples, over keyed records."""
     from flwr.app import MetricRecord, RecordDict
     from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords

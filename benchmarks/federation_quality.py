@@ -51,21 +51,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adapter_quality import edge_cfg  # noqa: E402  (the same three edges)
+from adapter_quality import fedavg as aggregate  # noqa: E402  (flwr's weighted average, as the strategy runs it)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def aggregate(states: list[dict], weights: list[float]) -> dict:
-    """flwr's weighted average over keyed records (what the strategy's FedAvg runs)."""
-    from flwr.app import MetricRecord, RecordDict
-    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
-
-    from collm.common import wire
-    from collm.edge_client.federation.records import to_state
-
-    records = [RecordDict({"arrays": wire.keyed({k: v.numpy() for k, v in s.items()}),
-                           "metrics": MetricRecord({"num-examples": float(w)})}) for s, w in zip(states, weights)]
-    return to_state(aggregate_arrayrecords(records, "num-examples"))
 
 
 def run_variant(name: str, args, clip: float | None, z: float) -> dict:

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from federation_quality import aggregate  # noqa: E402  (flwr's weighted average, as the strategy runs it)
+from adapter_quality import fedavg as aggregate  # noqa: E402  (flwr's weighted average, as the strategy runs it)
 
 LR = 5e-4  # configs/bench.yaml federation.lr
 

@@ -1,6 +1,6 @@
 """collm-sim against a real collm-bench run of the same setting: per mode and load point.
 
-    collm-bench --config configs/bench.yaml --out runs/bench          # the real run (~60 min)
+    collm-bench --config configs/bench.yaml --out runs/bench          # the real run (60-85 min)
     python benchmarks/sim_fidelity.py --real runs/bench/results.json --config configs/sim-fidelity.yaml
 
 The simulation replays the real run's own load points: the same trace segments at the same

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics as st
+from pathlib import Path
 
 import yaml
 
@@ -26,7 +27,7 @@ from collm.sim.world import World, fleet_profiles
 
 
 def screen(variants: dict, seeds: int, fractions: list[float], config: str) -> dict:
-    raw = yaml.safe_load(open(config))
+    raw = yaml.safe_load(Path(config).read_text())
     raw.pop("collm_routing", None)
     raw.update(router={}, modes=["collm"])
     raw["load"]["fractions"] = fractions
