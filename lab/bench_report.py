@@ -227,14 +227,19 @@ def _quality_section(results: dict, fractions: list[float]) -> list[str]:
     lines = ["", "## Quality-weighted goodput", "",
              "Each request that met its SLOs counts the held-out loss drop (base model minus the adapter version "
              "that served it) per second: serving on time *and* with a better model. Base loss "
-             f"{results['base_loss']:.4f}.", "",
-             "| load | mode | goodput (req/s) | QWG (loss drop · req/s) | training tok/s |", "|---|---|---|---|---|"]
+             f"{results['base_loss']:.4f}. QWG is goodput times the mean loss drop of the met requests' versions, "
+             "so a QWG ratio is the goodput ratio times the ratio of that drop: it says which of serving and the "
+             "model a difference comes from.", "",
+             "| load | mode | goodput (req/s) | loss drop per met request | QWG (loss drop · req/s) | training tok/s |",
+             "|---|---|---|---|---|---|"]
     for i, f in enumerate(fractions):
         for m, r in modes.items():
             p = r["points"][i]
             lo, hi = p.get("qwg_ci") or (None, None)
             unknown = f" ({p['qw_unknown_version']} by unscored versions)" if p.get("qw_unknown_version") else ""
-            lines.append(f"| {f:g}× | {m} | {_fmt(p['goodput_rps'])} | {_fmt(p['qwg'], 4)}{_ci(lo, hi, 4)}{unknown} | "
+            drop = p["qwg"] / p["goodput_rps"] if p.get("qwg") is not None and p["goodput_rps"] else None
+            lines.append(f"| {f:g}× | {m} | {_fmt(p['goodput_rps'])} | {_fmt(drop, 4)} | "
+                         f"{_fmt(p['qwg'], 4)}{_ci(lo, hi, 4)}{unknown} | "
                          f"{p['train_tokens_per_s']:.0f} |")
     ratios = {k: v for k, v in results["ratios"].items() if any(row.get("qwg_ratio") is not None for row in v)}
     if ratios:

@@ -208,6 +208,8 @@ def test_pooled_passes_and_ratios_widened_to_each_passs_own():
         paths = write_report(results, Path(d))
         report = paths["markdown"].read_text()
         assert "## Quality-weighted goodput" in report and "(passes 1.00, 0.67)" in report
+        # QWG split into goodput and the mean drop of the met requests' versions: (8 x 0.1 + 4 x 0.2) / 12 met
+        assert "| 0.5× | collm | 0.600 | 0.1333 | 0.0800" in report
         assert "Modes ran in this order: serve-only (pass 1), collm (pass 1)" in report
         assert "| 0.5× | collm | 0.800 | 16 | 1 / 1 |" in report  # refused / late first token, both passes
         assert "| 0.5× | serve-only | 0.800 | 16 | 0 / 0 |" in report
