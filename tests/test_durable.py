@@ -129,7 +129,7 @@ def test_kill_9_during_every_kind_of_write_leaves_a_consistent_state(tmp_path):
     each time every state reads back whole (weights match the version they are filed under) and no
     version goes backwards."""
     rng = random.Random(0)
-    last, seen_status = 0, False
+    last, last_train, seen_status = 0, 0, False
     for i in range(50):
         p = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), KEY, str(last)], stdout=subprocess.PIPE,
                              text=True)
@@ -144,8 +144,16 @@ def test_kill_9_during_every_kind_of_write_leaves_a_consistent_state(tmp_path):
         state, meta = found
         v = meta["version"]
         assert torch.all(state[KEY] == v) and v >= last, (v, last)
-        train, opt = read_training(tmp_path / "edge", lambda s: [])
-        assert torch.all(train[KEY] == opt["v"]) and opt["v"] in (v, v - 1)
+        # Training is written after serving, so it may trail it: by one within a writer, and by more when a
+        # writer was killed between the two and the next one (which starts from the serving version) was
+        # killed before its training write too. It never goes backwards, and is missing only before its first.
+        found_train = read_training(tmp_path / "edge", lambda s: [])
+        if found_train is None:
+            assert last_train == 0
+        else:
+            train, opt = found_train
+            assert torch.all(train[KEY] == opt["v"]) and last_train <= opt["v"] <= v, (opt["v"], last_train, v)
+            last_train = opt["v"]
         ck = load_latest_good(tmp_path / "ckpt")
         if ck is not None:
             assert np.all(ck.arrays[KEY] == ck.round) and ck.metrics["v"] == ck.round
