@@ -13,6 +13,7 @@ Variants (comma-separated `--variants`), each on fresh engines with the same see
 * asym:<t0>/<t1>      avg with edge 0 training t0 tokens and edge 1 t1 (an idle edge beside a busy one)
 * single<x>           the isolated deployment's trainer: one engine holding both halves trains x * `--tokens`
                       (single2: twice, single1.4: what isolated's trainer fills of a 6000 budget in 30 s)
+* <variant>@<s>       any of the above with the edges' (or the trainer's) learning rate times s (avg@2: 1e-3)
 
     python benchmarks/federation_step.py --tokens 3000 --rounds 4 --variants avg,sum,single2,single1.4   # ~12 min
 """
@@ -42,8 +43,9 @@ def main() -> None:
     args = ap.parse_args()
     variants = [x.strip() for x in args.variants.split(",") if x.strip()]
     for v in variants:
-        if not re.fullmatch(r"avg|sum|(lr|m|single)\d+(\.\d+)?|asym:\d+/\d+", v):
-            ap.error(f"--variants: unknown variant {v!r} (avg, sum, lr<eta>, m<beta>, asym:<t0>/<t1>, single<x>)")
+        if not re.fullmatch(r"(avg|sum|(lr|m|single)\d+(\.\d+)?|asym:\d+/\d+)(@\d+(\.\d+)?)?", v):
+            ap.error(f"--variants: unknown variant {v!r} (avg, sum, lr<eta>, m<beta>, asym:<t0>/<t1>, single<x>, "
+                     f"each with an optional @<lr scale>)")
 
     from collm.common.data import categories, load_records, partition_by_category
     from collm.edge_client.engine import Engine
@@ -68,8 +70,10 @@ def main() -> None:
                                                       "eval_records": 24})).loss
 
     results = {}
-    for v in variants:
+    for name in variants:
         t0 = time.time()
+        v, _, scale = name.partition("@")
+        lr = LR * float(scale or 1)
         if v.startswith("single"):
             cfgs = [cfg("single", halves[0] + halves[1], 2)]
             tokens = [int(float(v[6:]) * args.tokens)]
@@ -83,7 +87,7 @@ def main() -> None:
         try:
             for r in range(args.rounds):
                 start = glob
-                reps = list(pool.map(lambda et: et[0].train(TrainBudget(tokens=et[1]), global_state=start, lr=LR,
+                reps = list(pool.map(lambda et: et[0].train(TrainBudget(tokens=et[1]), global_state=start, lr=lr,
                                                             serve_local=False).result(), zip(engines, tokens)))
                 mean = aggregate([rep.adapter_state for rep in reps], [max(rep.sequences, 1) for rep in reps])
                 delta = {k: mean[k] - start[k] for k in mean}
@@ -96,13 +100,13 @@ def main() -> None:
                     delta = momentum
                 glob = {k: start[k] + delta[k] for k in delta}
                 losses.append(judged(glob))
-                print(f"{v} round {r + 1}: held-out loss {losses[-1]:.4f}, tokens {[rep.tokens for rep in reps]}, "
+                print(f"{name} round {r + 1}: held-out loss {losses[-1]:.4f}, tokens {[rep.tokens for rep in reps]}, "
                       f"{time.time() - t0:.0f} s", flush=True)
         finally:
             pool.shutdown()
             for e in engines:
                 e.stop()
-        results[v] = losses
+        results[name] = losses
     print("\n| variant | " + " | ".join(f"round {r}" for r in range(args.rounds + 1)) + " |")
     print("|---" * (args.rounds + 2) + "|")
     for v, losses in results.items():
