@@ -116,7 +116,7 @@ class FederationBudget(Strict):
     rounds: int = Field(100, ge=1, description="upper bound; rounds run back to back while the points replay")
     round_deadline_s: float = Field(20.0, gt=0)
     round_token_budget: int = Field(8000, ge=1)
-    lr: float = Field(5e-4, gt=0)
+    lr: float = Field(1e-3, gt=0, description="the edges' local learning rate (every deployment's)")
     eval_records: int = Field(8, ge=1, description="holdout records each edge evaluates the new global "
                               "adapter on per round (the round waits for it)")
 
