@@ -1,9 +1,9 @@
 """How far one round moves the served model: two edges averaged against one trainer, and server steps.
 
 The bench's topology without its serving: the bundled SmolLM2-135M-Instruct, the Dolly records split by
-category into the bench's two halves (`partition_by_category(load_records(), 2)`), the bench's lr (5e-4),
-each round's global judged by collm-bench's own `lab.bench_quality.QualityJudge` (24 held-out records
-across every category). No carry between rounds, no deadline: each edge trains exactly its tokens.
+category into the bench's two halves (`partition_by_category(load_records(), 2)`), lr 5e-4 (the presets'
+until 2026-12-06; their 1e-3 is `@2`), each round's global judged by collm-bench's own
+`lab.bench_quality.QualityJudge` (24 held-out records across every category). No carry between rounds, no deadline: each edge trains exactly its tokens.
 Variants (comma-separated `--variants`), each on fresh engines with the same seeds:
 
 * avg                 collm's federation: both edges train `--tokens` from the global; flwr's weighted average
@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adapter_quality import fedavg as aggregate  # noqa: E402  (flwr's weighted average, as the strategy runs it)
 
-LR = 5e-4  # configs/bench.yaml federation.lr
+LR = 5e-4  # the unit of `@<s>` (configs/bench.yaml's federation.lr is 1e-3: `@2`); the tables in docs/ use it
 
 
 def main() -> None:
