@@ -3,7 +3,8 @@
 The bench's topology without its serving: the bundled SmolLM2-135M-Instruct, the Dolly records split by
 category into the bench's two halves (`partition_by_category(load_records(), 2)`), lr 5e-4 (the presets'
 until 2026-12-06; their 1e-3 is `@2`), each round's global judged by collm-bench's own
-`lab.bench_quality.QualityJudge` (24 held-out records across every category). No carry between rounds, no deadline: each edge trains exactly its tokens.
+`lab.bench_quality.QualityJudge` (24 held-out records across every category). No carry between rounds, no
+deadline: each edge trains exactly its tokens.
 Variants (comma-separated `--variants`), each on fresh engines with the same seeds:
 
 * avg                 collm's federation: both edges train `--tokens` from the global; flwr's weighted average
