@@ -47,6 +47,8 @@ def main() -> None:
         if not re.fullmatch(r"(avg|sum|(lr|m|single)\d+(\.\d+)?|asym:\d+/\d+)(@\d+(\.\d+)?)?", v):
             ap.error(f"--variants: unknown variant {v!r} (avg, sum, lr<eta>, m<beta>, asym:<t0>/<t1>, single<x>, "
                      f"each with an optional @<lr scale>)")
+        if "@" in v and float(v.partition("@")[2]) <= 0:
+            ap.error(f"--variants: {v!r}: the lr scale after @ must be above 0")
 
     from collm.common.data import categories, load_records, partition_by_category
     from collm.edge_client.engine import Engine
