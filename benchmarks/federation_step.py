@@ -42,13 +42,15 @@ def main() -> None:
     ap.add_argument("--variants", default="avg,sum,single2,single1.4")
     ap.add_argument("--out", default="runs/federation_step.json")
     args = ap.parse_args()
-    variants = [x.strip() for x in args.variants.split(",") if x.strip()]
-    for v in variants:
-        if not re.fullmatch(r"(avg|sum|(lr|m|single)\d+(\.\d+)?|asym:\d+/\d+)(@\d+(\.\d+)?)?", v):
-            ap.error(f"--variants: unknown variant {v!r} (avg, sum, lr<eta>, m<beta>, asym:<t0>/<t1>, single<x>, "
+    variants = []  # (name as given, the variant without its @<s>, its learning rate)
+    for name in [x.strip() for x in args.variants.split(",") if x.strip()]:
+        if not re.fullmatch(r"(avg|sum|(lr|m|single)\d+(\.\d+)?|asym:\d+/\d+)(@\d+(\.\d+)?)?", name):
+            ap.error(f"--variants: unknown variant {name!r} (avg, sum, lr<eta>, m<beta>, asym:<t0>/<t1>, single<x>, "
                      f"each with an optional @<lr scale>)")
-        if "@" in v and float(v.partition("@")[2]) <= 0:
-            ap.error(f"--variants: {v!r}: the lr scale after @ must be above 0")
+        v, _, scale = name.partition("@")
+        if float(scale or 1) <= 0:
+            ap.error(f"--variants: {name!r}: the lr scale after @ must be above 0")
+        variants.append((name, v, LR * float(scale or 1)))
 
     from collm.common.data import categories, load_records, partition_by_category
     from collm.edge_client.engine import Engine
@@ -73,10 +75,8 @@ def main() -> None:
                                                       "eval_records": 24})).loss
 
     results = {}
-    for name in variants:
+    for name, v, lr in variants:
         t0 = time.time()
-        v, _, scale = name.partition("@")
-        lr = LR * float(scale or 1)
         if v.startswith("single"):
             cfgs = [cfg("single", halves[0] + halves[1], 2)]
             tokens = [int(float(v[6:]) * args.tokens)]
