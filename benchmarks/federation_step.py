@@ -15,6 +15,8 @@ Variants (comma-separated `--variants`), each on fresh engines with the same see
 * single<x>           the isolated deployment's trainer: one engine holding both halves trains x * `--tokens`
                       (single2: twice, single1.4: what isolated's trainer fills of a 6000 budget in 30 s)
 * <variant>@<s>       any of the above with the edges' (or the trainer's) learning rate times s (avg@2: 1e-3)
+* <variant>@<s>x<d>   ... and the rate times d each round after the first, never below `--lr-min`
+                      (`server/lr_schedule.py`, the server's balancer.lr_decay; avg@4x0.8: 2e-3, 1.6e-3, ...)
 
     python benchmarks/federation_step.py --tokens 3000 --rounds 4 --variants avg,sum,single2,single1.4   # ~12 min
 """
@@ -40,17 +42,21 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=3000, help="training tokens per edge and round")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--variants", default="avg,sum,single2,single1.4")
+    ap.add_argument("--lr-min", type=float, default=0.0, help="the floor of an @<s>x<d> schedule")
     ap.add_argument("--out", default="runs/federation_step.json")
     args = ap.parse_args()
-    variants = []  # (name as given, the variant without its @<s>, its learning rate)
+    variants = []  # (name as given, the variant without its @<s>, its first round's learning rate, its decay)
     for name in [x.strip() for x in args.variants.split(",") if x.strip()]:
-        if not re.fullmatch(r"(avg|sum|(lr|m|single)\d+(\.\d+)?|asym:\d+/\d+)(@\d+(\.\d+)?)?", name):
+        if not re.fullmatch(r"(avg|sum|(lr|m|single)\d+(\.\d+)?|asym:\d+/\d+)(@\d+(\.\d+)?(x\d+(\.\d+)?)?)?", name):
             ap.error(f"--variants: unknown variant {name!r} (avg, sum, lr<eta>, m<beta>, asym:<t0>/<t1>, single<x>, "
-                     f"each with an optional @<lr scale>)")
-        v, _, scale = name.partition("@")
+                     f"each with an optional @<lr scale> and x<decay per round>)")
+        v, _, schedule = name.partition("@")
+        scale, _, decay = schedule.partition("x")
         if float(scale or 1) <= 0:
             ap.error(f"--variants: {name!r}: the lr scale after @ must be above 0")
-        variants.append((name, v, LR * float(scale or 1)))
+        if not 0 < float(decay or 1) <= 1:
+            ap.error(f"--variants: {name!r}: the decay after x must be in (0, 1]")
+        variants.append((name, v, LR * float(scale or 1), float(decay or 1)))
 
     from collm.common.data import categories, load_records, partition_by_category
     from collm.edge_client.engine import Engine
@@ -60,6 +66,7 @@ def main() -> None:
     from collm.lab.bench_config import BenchConfig
     from collm.lab.bench_quality import QualityJudge
     from collm.lab.topology import edge_config
+    from collm.server.lr_schedule import round_lr
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -75,7 +82,7 @@ def main() -> None:
                                                       "eval_records": 24})).loss
 
     results = {}
-    for name, v, lr in variants:
+    for name, v, lr0, decay in variants:
         t0 = time.time()
         if v.startswith("single"):
             cfgs = [cfg("single", halves[0] + halves[1], 2)]
@@ -89,7 +96,7 @@ def main() -> None:
         losses = [judged(glob)]
         try:
             for r in range(args.rounds):
-                start = glob
+                start, lr = glob, round_lr(lr0, decay, args.lr_min, r + 1)
                 reps = list(pool.map(lambda et: et[0].train(TrainBudget(tokens=et[1]), global_state=start, lr=lr,
                                                             serve_local=False).result(), zip(engines, tokens)))
                 mean = aggregate([rep.adapter_state for rep in reps], [max(rep.sequences, 1) for rep in reps])

@@ -135,7 +135,8 @@ class ModeRun:
                        "round_timeout_s": round_timeout_for(f.round_deadline_s), "query_timeout_s": 60,
                        "base_model_name": base_model, "lora": trainers[0].lora.model_dump()})
         server["balancer"].update({"round_deadline_s": f.round_deadline_s, "round_token_budget": f.round_token_budget,
-                                   "lr": f.lr, "mode": "slo" if is_collm(self.mode) else "uniform"})
+                                   "lr": f.lr, "lr_decay": f.lr_decay, "lr_min": f.lr_min,
+                                   "mode": "slo" if is_collm(self.mode) else "uniform"})
         return deep_merge(server, variant_of(self.mode, self.cfg.variants).server)
 
     def _start_server(self) -> None:

@@ -49,6 +49,7 @@ from collm.server.checkpoints import write_round
 from collm.server.config import ServerConfig
 from collm.server.privacy import PrivacyLedger, Release
 from collm.server.intake import prepare_updates, screen_round
+from collm.server.lr_schedule import round_lr
 from collm.server.replies import (common_metric_keys, edge_name, read_eval_replies, read_train_replies,
                                   unique_names, with_weight)
 from collm.server.robust import Update
@@ -184,7 +185,9 @@ class CollmRounds:
         node_ids = [m.metadata.dst_node_id for m in base]
         reports, no_report = self._query_reports(r, node_ids, grid)
         plan = plan_round(node_ids, reports, no_report, self._decide(list(reports.values())), self._node_names)
-        common = {**dict(base[0].content[self.configrecord_key]), P.LR: self.server_cfg.balancer.lr,
+        b = self.server_cfg.balancer
+        rec.lr = round_lr(b.lr, b.lr_decay, b.lr_min, r)
+        common = {**dict(base[0].content[self.configrecord_key]), P.LR: rec.lr,
                   **{k: v for rule in self.rules for k, v in rule.train_config().items()}, **self._signed(r, grid)}
         packed = wire.pack_record(arrays)  # one Array on the wire, not one per tensor (common/wire.py)
         messages = [self._train_message(r, rec, edge, packed, common) for edge in plan]

@@ -276,7 +276,8 @@ def test_a_variants_server_settings_reach_its_serverapp_only(tmp_path):
     from collm.lab.bench import ModeRun
     from collm.server.config import ServerConfig
 
-    cfg = BenchConfig.model_validate({"modes": ["collm", "collm-slowpoll"], "federation": {"round_deadline_s": 20},
+    cfg = BenchConfig.model_validate({"modes": ["collm", "collm-slowpoll"],
+                                      "federation": {"round_deadline_s": 20, "lr": 2e-3, "lr_decay": 0.8, "lr_min": 5e-4},
                                       "variants": {"slowpoll": {"server": {"reply_poll_s": 3,
                                                                            "balancer": {"spare_use": 0.5}}}}})
     variant = validate_config(ServerConfig, ModeRun(cfg, "collm-slowpoll", tmp_path / "v").server_config("m"), "v")
@@ -284,6 +285,9 @@ def test_a_variants_server_settings_reach_its_serverapp_only(tmp_path):
     assert (variant.reply_poll_s, variant.balancer.spare_use) == (3, 0.5)
     assert (plain.reply_poll_s, plain.balancer.spare_use) == (ServerConfig().reply_poll_s, ServerConfig().balancer.spare_use)
     assert variant.balancer.round_deadline_s == plain.balancer.round_deadline_s == 20  # the bench's settings stay
+    assert (plain.balancer.lr, plain.balancer.lr_decay, plain.balancer.lr_min) == (2e-3, 0.8, 5e-4)
+    with pytest.raises(UserError, match=r"lr_min \(0.002\) is above lr \(0.001\): set federation.lr_min"):
+        validate_config(BenchConfig, {"federation": {"lr": 1e-3, "lr_min": 2e-3}}, "test")
 
 
 def test_the_ceiling_is_serve_onlys_idle_time_over_the_isolated_trainers_busy_time():

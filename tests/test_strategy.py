@@ -404,6 +404,18 @@ round_timeout_s: 30
     assert grid.sent == []
 
 
+def test_the_learning_rate_sent_decays_each_round_down_to_its_floor(tmp_path):
+    """balancer.lr_decay / lr_min: round 1 trains at lr, each later round at the last one's times the decay,
+    never below the floor; each round's metrics.json says which rate it sent."""
+    grid = make_grid()
+    cfg = server_cfg(tmp_path, rounds=3, balancer={"lr": 4e-4, "lr_decay": 0.5, "lr_min": 1.5e-4})
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=3, timeout=cfg.round_timeout_s)
+    for r, want in ((1, 4e-4), (2, 2e-4), (3, 1.5e-4)):
+        sent = [dict(m.content["config"])["lr"] for m in grid.sent_of(MessageType.TRAIN, r)]
+        assert len(sent) == 2 and sent == pytest.approx([want] * 2), (r, sent)
+        assert load_round(cfg.checkpoint_dir, r).metrics["lr"] == pytest.approx(want)
+
+
 def test_fedprox_puts_proximal_mu_in_the_config(tmp_path):
     grid = make_grid()
     cfg = server_cfg(tmp_path, strategy="fedprox", proximal_mu=0.05, rounds=1)
@@ -664,6 +676,8 @@ def test_the_commented_dp_example_in_the_shipped_config_is_valid(tmp_path):
     ("robust: {norm: 3}", "x.yaml: robust.norm: unknown key (allowed here: max_weight_ratio, norm_k, weighting)"),
     ("round_timeout_s: 60", "round_timeout_s (60) must be larger than balancer.round_deadline_s (120)"),
     ("fraction_train: 0", "x.yaml: fraction_train: expected greater than 0, got 0"),
+    ("balancer: {lr_decay: 1.5}", "x.yaml: balancer.lr_decay: expected less than or equal to 1, got 1.5"),
+    ("balancer: {lr: 1.0e-4, lr_min: 2.0e-4}", "lr_min (0.0002) is above lr (0.0001): set lr_min to at most lr"),
     ("lora_aggregation: fedex", "x.yaml: lora_aggregation: expected 'separate', 'ffa' or 'product', got 'fedex'"),
     ("dp: {noise_multiplier: 1.0}", "x.yaml: dp.clipping_norm: "),
     ("{strategy: fedadam, dp: {clipping_norm: 1}}", "dp: works with strategy fedavg or fedprox"),
