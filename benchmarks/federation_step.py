@@ -16,7 +16,8 @@ Variants (comma-separated `--variants`), each on fresh engines with the same see
                       (single2: twice, single1.4: what isolated's trainer fills of a 6000 budget in 30 s)
 * <variant>@<s>       any of the above with the edges' (or the trainer's) learning rate times s (avg@2: 1e-3)
 * <variant>@<s>x<d>   ... and the rate times d each round after the first, never below `--lr-min`
-                      (`server/lr_schedule.py`, the server's balancer.lr_decay; avg@4x0.8: 2e-3, 1.6e-3, ...)
+                      (`server/lr_schedule.py`, the server's balancer.lr_decay). The presets' schedule since
+                      2026-12-06 is avg@4x0.8 (single1.4@4x0.8) with --lr-min 5e-4: 2e-3, 1.6e-3, ..., 5e-4
 
     python benchmarks/federation_step.py --tokens 3000 --rounds 4 --variants avg,sum,single2,single1.4   # ~12 min
 """
@@ -34,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adapter_quality import fedavg as aggregate  # noqa: E402  (flwr's weighted average, as the strategy runs it)
 
-LR = 5e-4  # the unit of `@<s>` (configs/bench.yaml's federation.lr is 1e-3: `@2`); the tables in docs/ use it
+LR = 5e-4  # the unit of `@<s>` (the presets: `@4x0.8 --lr-min 5e-4`); the tables in docs/ use it
 
 
 def main() -> None:
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--lr-min", type=float, default=0.0, help="the floor of an @<s>x<d> schedule")
     ap.add_argument("--out", default="runs/federation_step.json")
     args = ap.parse_args()
+    if args.lr_min < 0:
+        ap.error("--lr-min must be 0 or more")
     variants = []  # (name as given, the variant without its @<s>, its first round's learning rate, its decay)
     for name in [x.strip() for x in args.variants.split(",") if x.strip()]:
         if not re.fullmatch(r"(avg|sum|(lr|m|single)\d+(\.\d+)?|asym:\d+/\d+)(@\d+(\.\d+)?(x\d+(\.\d+)?)?)?", name):
@@ -56,6 +59,9 @@ def main() -> None:
             ap.error(f"--variants: {name!r}: the lr scale after @ must be above 0")
         if not 0 < float(decay or 1) <= 1:
             ap.error(f"--variants: {name!r}: the decay after x must be in (0, 1]")
+        if args.lr_min > LR * float(scale or 1):
+            ap.error(f"--lr-min {args.lr_min:g} is above {name!r}'s first rate {LR * float(scale or 1):g}: the floor "
+                     f"would raise it; lower --lr-min or the variant's @<s>")
         variants.append((name, v, LR * float(scale or 1), float(decay or 1)))
 
     from collm.common.data import categories, load_records, partition_by_category

@@ -183,6 +183,12 @@ class BenchConfig(Strict):
                 named = ", ".join(f"collm-{v}" for v in self.variants) or "none"
                 raise ValueError(f"modes: {m!r} is not a mode; use {', '.join(MODES)} or collm-<variant> for a "
                                  f"variant under `variants:` (named: {named})")
+        for name, v in self.variants.items():  # a variant's rate against the floor, before any mode has run
+            b = v.server.get("balancer") if isinstance(v.server.get("balancer"), dict) else {}
+            lr, lr_min = b.get("lr", self.federation.lr), b.get("lr_min", self.federation.lr_min)
+            if isinstance(lr, (int, float)) and isinstance(lr_min, (int, float)) and lr_min > lr:
+                raise ValueError(f"variants.{name}.server.balancer: lr {lr:g} is below the floor lr_min {lr_min:g}; "
+                                 f"set variants.{name}.server.balancer.lr_min too (or federation.lr_min) to at most it")
         check_modes(self.co_schedule, self.busy_share, self.modes, self.replicas, "replicas")
         return self
 

@@ -54,8 +54,8 @@ class BalancerConfig(Strict):
     fill_budget: bool = Field(True, description="hand the part of round_token_budget the edges' spare-time caps "
                               "leave over to them by weight (the deadline still bounds each edge)")
     lr: float = Field(2e-4, gt=0, description="local learning rate sent to the edges in round 1")
-    lr_decay: float = Field(1.0, gt=0, le=1, description="each round's rate is the last one's times this "
-                            "(`server/lr_schedule.py`; 1: every round at lr)")
+    lr_decay: float = Field(1.0, gt=0, le=1, description="each round after one that changed the global trains at "
+                            "the last rate times this (`server/lr_schedule.py`; 1: every round at lr)")
     lr_min: float = Field(0.0, ge=0, description="the decay stops here (the federation keeps adapting)")
     idle_wait_s: float = Field(15.0, ge=0, description="pause before the next round when no update was "
                                "aggregated (every edge busy), instead of polling the edges back to back")
@@ -63,8 +63,8 @@ class BalancerConfig(Strict):
     @model_validator(mode="after")
     def _floor_below_rate(self) -> BalancerConfig:
         if self.lr_min > self.lr:
-            raise ValueError(f"lr_min ({self.lr_min:g}) is above lr ({self.lr:g}): set lr_min to at most lr "
-                             "(the floor of the decay that starts at lr)")
+            raise ValueError(f"lr_min ({self.lr_min:g}) is above lr ({self.lr:g}): set balancer.lr_min to at most "
+                             "balancer.lr (the floor of the decay that starts at lr)")
         return self
 
 

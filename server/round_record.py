@@ -14,7 +14,7 @@ class RoundRecord:
     strategy: str
     started_at: str
     balancer: list[dict] = field(default_factory=list)  # one decision per edge asked, with its load report
-    lr: float | None = None  # the learning rate sent with this round's TRAIN messages (server/lr_schedule.py)
+    lr: float | None = None  # the learning rate sent with this round's TRAIN messages (none sent: None)
     training_skipped: str | None = None
     train: dict[str, dict] = field(default_factory=dict)  # edge -> its TRAIN reply's metrics
     dropped: dict[str, str] = field(default_factory=dict)  # edge -> why its update was left out

@@ -78,6 +78,7 @@ class CollmRounds:
         self.balancer_params = balancer_params(server_cfg.balancer)
         self.balance = BALANCERS[server_cfg.balancer.mode]  # the rule, or the uniform baseline
         self.history: dict[int, RoundRecord] = {}  # real round -> what happened (metrics.json)
+        self._restored_updates = 0  # rounds before a resume that changed the global (the lr schedule's steps)
         self._global: dict[str, np.ndarray] = {}  # the adapter sent out this round
         self._started: dict[int, float] = {}
         self._node_names: dict[int, str] = {}     # last name each node reported
@@ -140,10 +141,11 @@ class CollmRounds:
         """A resumed run's server optimizer state (FedAdam's)."""
 
     def restore_history(self, metrics_by_round: dict[int, dict]) -> None:
-        """A resumed run continues the privacy ledger and the participation order of the rounds done."""
+        """A resumed run continues the privacy ledger, the participation order and the lr schedule of the rounds done."""
         if self.server_cfg.dp is not None:
             self.privacy = PrivacyLedger.from_history(self.server_cfg.dp.target_delta, metrics_by_round)
             self.rules = rules_for(self.server_cfg, self.privacy, population=lambda: len(self._node_names))
+        self._restored_updates = sum(1 for m in metrics_by_round.values() if m.get("kept"))
         for r in sorted(metrics_by_round):
             for d in metrics_by_round[r].get("balancer", []):
                 if d.get("take_part"):
@@ -185,13 +187,12 @@ class CollmRounds:
         node_ids = [m.metadata.dst_node_id for m in base]
         reports, no_report = self._query_reports(r, node_ids, grid)
         plan = plan_round(node_ids, reports, no_report, self._decide(list(reports.values())), self._node_names)
-        b = self.server_cfg.balancer
-        rec.lr = round_lr(b.lr, b.lr_decay, b.lr_min, r)
-        common = {**dict(base[0].content[self.configrecord_key]), P.LR: rec.lr,
+        common = {**dict(base[0].content[self.configrecord_key]), P.LR: self._round_lr(r),
                   **{k: v for rule in self.rules for k, v in rule.train_config().items()}, **self._signed(r, grid)}
         packed = wire.pack_record(arrays)  # one Array on the wire, not one per tensor (common/wire.py)
         messages = [self._train_message(r, rec, edge, packed, common) for edge in plan]
         messages = [m for m in messages if m is not None]
+        rec.lr = common[P.LR] if messages else None
         write_status(self.server_cfg.checkpoint_dir, {"round": r, "phase": "train", "at": time.time(),
                                                       "round_timeout_s": self.server_cfg.round_timeout_s,
                                                       "training": [d["edge"] for d in rec.balancer if d["take_part"]]})
@@ -201,6 +202,12 @@ class CollmRounds:
                 "stays as it is", r)
         self._outbox = messages
         return messages
+
+    def _round_lr(self, r: int) -> float:
+        """This round's learning rate (`server/lr_schedule.py`): one step per earlier round that changed the global."""
+        b = self.server_cfg.balancer
+        updated = self._restored_updates + sum(1 for q, rr in self.history.items() if q < r and rr.kept)
+        return round_lr(b.lr, b.lr_decay, b.lr_min, 1 + updated)
 
     def _after_round_one(self, server_round: int) -> None:
         """After the first round, continue with the edges that remain (`min_round_nodes`)."""

@@ -231,11 +231,11 @@ def test_choose_participants_rotates_and_skips_an_edge_too_busy_to_use_a_slot():
     assert {r.name for r in chosen} == {"a", "b", "c"}
 
 
-def test_the_round_learning_rate_starts_at_lr_decays_and_stops_at_its_floor():
+def test_the_learning_rate_starts_at_lr_decays_a_step_at_a_time_and_stops_at_its_floor():
     from collm.server.lr_schedule import round_lr
 
     assert [round_lr(2e-3, 0.8, 5e-4, r) for r in (1, 2, 3)] == pytest.approx([2e-3, 1.6e-3, 1.28e-3])
     assert round_lr(2e-3, 0.8, 5e-4, 50) == 5e-4           # the floor: the federation never stops adapting
     assert [round_lr(1e-3, 1.0, 0.0, r) for r in (1, 7)] == [1e-3, 1e-3]  # no decay: the old fixed rate
-    with pytest.raises(ValueError, match="round must be 1 or more"):
+    with pytest.raises(ValueError, match="step must be 1 or more"):
         round_lr(1e-3, 0.8, 0.0, 0)

@@ -288,6 +288,9 @@ def test_a_variants_server_settings_reach_its_serverapp_only(tmp_path):
     assert (plain.balancer.lr, plain.balancer.lr_decay, plain.balancer.lr_min) == (2e-3, 0.8, 5e-4)
     with pytest.raises(UserError, match=r"lr_min \(0.002\) is above lr \(0.001\): set federation.lr_min"):
         validate_config(BenchConfig, {"federation": {"lr": 1e-3, "lr_min": 2e-3}}, "test")
+    with pytest.raises(UserError, match=r"variants.low.server.balancer: lr 0.0002 is below the floor lr_min 0.0005"):
+        validate_config(BenchConfig, {"modes": ["collm", "collm-low"],
+                                      "variants": {"low": {"server": {"balancer": {"lr": 2e-4}}}}}, "test")
 
 
 def test_the_ceiling_is_serve_onlys_idle_time_over_the_isolated_trainers_busy_time():

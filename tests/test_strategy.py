@@ -416,6 +416,18 @@ def test_the_learning_rate_sent_decays_each_round_down_to_its_floor(tmp_path):
         assert load_round(cfg.checkpoint_dir, r).metrics["lr"] == pytest.approx(want)
 
 
+def test_a_resumed_run_continues_the_lr_schedule_and_an_empty_round_does_not_decay_it(tmp_path):
+    """Three rounds done, the second with nothing kept (every edge busy): round 4 is the schedule's third step."""
+    cfg = server_cfg(tmp_path, rounds=4, balancer={"lr": 4e-4, "lr_decay": 0.5, "lr_min": 1e-5})
+    strategy = build_strategy(cfg, round_offset=3)
+    strategy.restore_history({1: {"kept": ["idle"]}, 2: {"kept": []}, 3: {"kept": ["idle", "busy"]}})
+    grid = make_grid()
+    strategy.start(grid, ArrayRecord(), num_rounds=1, timeout=cfg.round_timeout_s)
+    sent = [dict(m.content["config"])["lr"] for m in grid.sent_of(MessageType.TRAIN, 4)]
+    assert len(sent) == 2 and sent == pytest.approx([1e-4] * 2)  # 4e-4 x 0.5^2, not 0.5^3
+    assert load_round(cfg.checkpoint_dir, 4).metrics["lr"] == pytest.approx(1e-4)
+
+
 def test_fedprox_puts_proximal_mu_in_the_config(tmp_path):
     grid = make_grid()
     cfg = server_cfg(tmp_path, strategy="fedprox", proximal_mu=0.05, rounds=1)
@@ -677,7 +689,8 @@ def test_the_commented_dp_example_in_the_shipped_config_is_valid(tmp_path):
     ("round_timeout_s: 60", "round_timeout_s (60) must be larger than balancer.round_deadline_s (120)"),
     ("fraction_train: 0", "x.yaml: fraction_train: expected greater than 0, got 0"),
     ("balancer: {lr_decay: 1.5}", "x.yaml: balancer.lr_decay: expected less than or equal to 1, got 1.5"),
-    ("balancer: {lr: 1.0e-4, lr_min: 2.0e-4}", "lr_min (0.0002) is above lr (0.0001): set lr_min to at most lr"),
+    ("balancer: {lr: 1.0e-4, lr_min: 2.0e-4}", "lr_min (0.0002) is above lr (0.0001): set balancer.lr_min to at most "
+     "balancer.lr"),
     ("lora_aggregation: fedex", "x.yaml: lora_aggregation: expected 'separate', 'ffa' or 'product', got 'fedex'"),
     ("dp: {noise_multiplier: 1.0}", "x.yaml: dp.clipping_norm: "),
     ("{strategy: fedadam, dp: {clipping_norm: 1}}", "dp: works with strategy fedavg or fedprox"),
