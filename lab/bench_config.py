@@ -117,7 +117,7 @@ class FederationBudget(Strict):
     round_deadline_s: float = Field(20.0, gt=0)
     round_token_budget: int = Field(8000, ge=1)
     lr: float = Field(2e-3, gt=0, description="the edges' local learning rate in round 1 (every deployment's)")
-    lr_decay: float = Field(0.8, gt=0, le=1, description="each round's rate is the last one's times this "
+    lr_decay: float = Field(0.8, gt=0, le=1, description="the rate's factor per round that changed the global "
                             "(the server's balancer.lr_decay)")
     lr_min: float = Field(5e-4, ge=0, description="the decay's floor (the server's balancer.lr_min)")
     eval_records: int = Field(8, ge=1, description="holdout records each edge evaluates the new global "
