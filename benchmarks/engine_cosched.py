@@ -24,7 +24,10 @@ def bench_cosched(args, dev: torch.device) -> dict:
     from collm.edge_client.training.jobs import TrainBudget
 
     quick = args.quick
-    cfg = engine_cfg("smollm2", args.device, args.dtype)
+    mr = getattr(args, "max_running", None)
+    # the preset's KV budget is 32 MB a running sequence (256 MB for 8): keep that share at a larger batch
+    cfg = engine_cfg("smollm2", args.device, args.dtype,
+                     {"engine": {"max_running": mr, "kv_cache_mb": 32 * mr}} if mr else None)
     max_tokens = args.max_tokens
     load_s = args.load_seconds or (10.0 if quick else 45.0)
     train_alone_s = 8.0 if quick else 20.0
@@ -45,7 +48,8 @@ def bench_cosched(args, dev: torch.device) -> dict:
     try:
         # ---- capacity: closed-loop sweep over concurrency; capacity = the highest request rate whose
         # SLO attainment is >= 0.9 (each level counted after its first wave of requests)
-        levels = [4] if quick else [1, 2, 4, cfg.engine.max_running]
+        top = cfg.engine.max_running
+        levels = [min(4, top)] if quick else sorted({c for c in (1, 2, 4, 8, 16, 32) if c < top} | {top})
         lock = threading.Lock()
         counter = iter(range(10**9))
         sweep = []

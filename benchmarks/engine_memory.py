@@ -140,6 +140,8 @@ def bench_memory(args) -> dict:
             if arena:
                 env["MALLOC_ARENA_MAX"] = arena
             cmd = [sys.executable, str(Path(__file__).with_name("bench_engine.py")), "--mem-role", role, "--device", args.device]
+            if args.model_path:
+                cmd += ["--model-path", args.model_path]
             if args.quick:
                 cmd.append("--quick")
             wait_quiet(f"memory {role} {env_label}", min(args.wait_quiet, 10))

@@ -26,7 +26,7 @@ def _quiet_transformers():
 def tiny_cfg():
     from collm.edge_client.config import ModelConfig
 
-    return ModelConfig(source="tiny")
+    return ModelConfig(source="tiny", device=os.environ.get("COLLM_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="session")

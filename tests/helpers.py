@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from collm.common.config import deep_merge, validate_config
@@ -13,9 +15,12 @@ from collm.edge_client.engine import Engine
 from collm.edge_client.model.lora import TrainableAdapter
 from collm.lab.topology import free_port
 
+# The device the tiny engines run on: cpu (CI), or cuda where benchmarks/gpu_check.sh runs these tests.
+TEST_DEVICE = os.environ.get("COLLM_TEST_DEVICE", "cpu")
+
 TINY = {
     "name": "t",
-    "model": {"source": "tiny", "device": "cpu"},
+    "model": {"source": "tiny", "device": TEST_DEVICE},
     "engine": {"max_running": 8, "kv_cache_mb": 16, "step_token_budget": 128, "warmup": True},
     "slo": {"ttft_ms": 1000, "tpot_ms": 100},
     "data": {"categories": ["open_qa"], "max_records": 200},
