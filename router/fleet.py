@@ -116,7 +116,8 @@ def estimates(c: Columns, x: RequestView, a: Assumptions = Assumptions()) -> dic
     g = np.where(c.training, 1.0 + c.busy / np.maximum(1.0 - c.spare, 0.05), 1.0)
     departure = a.typical_output_tokens * t_dec(M) * g / M
     with np.errstate(divide="ignore"):
-        departure = np.where(c.finish_rate > 0, np.maximum(departure, 1.0 / c.finish_rate), departure)
+        serving = np.maximum(1.0 - c.spare, 0.05) if a.drain_per_serving_s else 1.0
+        departure = np.where(c.finish_rate > 0, np.maximum(departure, serving / c.finish_rate), departure)
     wait = np.where(n >= M, (w + 1) * departure, 0.0)
     ttft = wait + t_pf + (np.ceil(p / chunk) - 1) * t_pf * g
     T = np.full(len(n), x.ttft_target_s) if x.ttft_target_s else c.ttft_target

@@ -23,12 +23,17 @@ targets (`collm_slo_ttft_seconds`, `collm_slo_tpot_seconds`) -- estimate on ever
                                              a lightly loaded edge that trains in its idle time look
                                              1/rho times slower, and the router piled requests onto
                                              whichever edge was not training at the moment
-    wait = (w + 1) * max(L * t_dec(M) * g / M, 1 / lam)   if n >= M, else 0
+    wait = (w + 1) * max(L * t_dec(M) * g / M, (1 - sigma) / lam)   if n >= M, else 0
                                              x waits for w + 1 departures; by the cost model one comes
                                              every L*t_dec(M)*g/M seconds (L: typical output length of
-                                             running requests), by the edge's own finished-request
-                                             rate lam (collm_request_rate_rps, if > 0) every 1/lam:
-                                             whichever is slower
+                                             running requests), by the edge's own finished requests
+                                             (collm_request_rate_rps lam, if > 0) every (1 - sigma)/lam:
+                                             whichever is slower. lam counts finishes over the whole
+                                             window, so per second spent serving (1 - sigma of it, at
+                                             least 0.05) it is the rate a busy edge drains its queue
+                                             at; 1/lam read a burst after a calm stretch at the calm
+                                             stretch's rate (2-2.5x the TTFT that followed;
+                                             routing.drain_rate: window keeps that reading)
     TTFT^ = wait + t_pf + (ceil(p / (B - k)) - 1) * t_pf * g
                                              an arrival preempts training, so only later chunks stretch
     TPOT^ = min(t_dec(k+1) * g, max(t_dec(k+1), s*P))
@@ -154,6 +159,7 @@ class Assumptions:
     pack_spare: float = 0.0   # ... and at least this spare capacity (not serving) over their window
     pack_newest: bool = True  # ... to the newest adapter version first (then the most requests)
     probe_after_s: float = float("inf")
+    drain_per_serving_s: bool = True  # the finish-rate guard per second spent serving (False: over the whole window)
 
 
 @dataclass(frozen=True)
@@ -215,7 +221,8 @@ def estimate(e: EdgeView, x: RequestView, a: Assumptions = Assumptions()) -> Est
     g = 1.0 + e.training_busy / max(1.0 - e.spare_capacity, 0.05) if e.training_active else 1.0
     departure = a.typical_output_tokens * t_dec(M) * g / M
     if e.finish_rate > 0:
-        departure = max(departure, 1.0 / e.finish_rate)
+        serving = max(1.0 - e.spare_capacity, 0.05) if a.drain_per_serving_s else 1.0
+        departure = max(departure, serving / e.finish_rate)
     wait = (w + 1) * departure if n >= M else 0.0
     ttft = wait + t_pf + (math.ceil(p / chunk) - 1) * t_pf * g
     T = x.ttft_target_s or e.ttft_target_s

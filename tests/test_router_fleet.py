@@ -43,7 +43,7 @@ def test_columnar_slo_rule_decides_as_the_reference_rule(n_edges):
         views = [random_view(i, rng) for i in range(n_edges)]
         x = random_request(rng)
         a = Assumptions(probe_after_s=rng.choice([float("inf"), 5.0]), comfort=rng.choice([0.5, 2.0]),
-                        typical_output_tokens=rng.choice([16.0, 64.0]))
+                        typical_output_tokens=rng.choice([16.0, 64.0]), drain_per_serving_s=rng.random() < 0.5)
         seed = rng.random()
         pack = trial % 2 == 1  # the slo_pack variant on every other snapshot, at random thresholds
         if pack:

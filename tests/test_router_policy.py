@@ -45,6 +45,27 @@ def test_queued_edge_is_avoided_and_wait_grows_with_the_queue():
     assert picks["busy"] == 0 and picks["b"] > 10 and picks["c"] > 10
 
 
+def test_a_queue_drains_at_the_edges_finish_rate_while_it_serves_not_over_its_whole_window():
+    """The finish-rate guard on the wait: an edge that finished lam = 1 request/s over a window it spent
+    40% serving drains a queue at 2.5/s once busy (a burst after a calm stretch); a saturated edge (no
+    spare time) at lam. Read over the whole window, the burst's wait came out 2-2.5x the TTFT it got."""
+    a = Assumptions(typical_output_tokens=64)
+    c0, c1, _, c3 = COEF
+    model_departure = 64 * (c0 + c1 * 8 + c3 * 8 * 132 / 1000) / 8  # the cost model's, about 0.07 s
+    calm = idle("a", running=8, queue_depth=4, finish_rate=1.0, spare_capacity=0.6)
+    saturated = replace(calm, spare_capacity=0.0)
+    unscraped = replace(calm, finish_rate=0.0)
+    bare = estimate(unscraped, X, a).ttft_s
+    assert model_departure < 0.4
+    assert estimate(calm, X, a).ttft_s - bare == pytest.approx(5 * (0.4 - model_departure))
+    assert estimate(saturated, X, a).ttft_s - bare == pytest.approx(5 * (1.0 - model_departure))
+    # routing.drain_rate: window, the rule before: 1/lam whatever the edge did with its window
+    window = Assumptions(typical_output_tokens=64, drain_per_serving_s=False)
+    assert estimate(calm, X, window).ttft_s - bare == pytest.approx(5 * (1.0 - model_departure))
+    # an edge whose window was all spare still counts at least 5% of it as serving (no division by 0)
+    assert estimate(replace(calm, spare_capacity=1.0), X, a).ttft_s - bare == pytest.approx(0.0)
+
+
 def test_requests_sent_since_the_scrape_count_as_load():
     # the last scrape saw an idle edge, but this router has sent it 12 requests since (none done)
     e = idle("a", outstanding=12, outstanding_at=0)
