@@ -23,17 +23,20 @@ targets (`collm_slo_ttft_seconds`, `collm_slo_tpot_seconds`) -- estimate on ever
                                              a lightly loaded edge that trains in its idle time look
                                              1/rho times slower, and the router piled requests onto
                                              whichever edge was not training at the moment
-    wait = (w + 1) * max(L * t_dec(M) * g / M, (1 - sigma) / lam)   if n >= M, else 0
+    wait = (w + 1) * max(L * t_dec(M) * g / M, max(1 - sigma, 0.05) / lam)   if n >= M, else 0
                                              x waits for w + 1 departures; by the cost model one comes
                                              every L*t_dec(M)*g/M seconds (L: typical output length of
                                              running requests), by the edge's own finished requests
                                              (collm_request_rate_rps lam, if > 0) every (1 - sigma)/lam:
                                              whichever is slower. lam counts finishes over the whole
-                                             window, so per second spent serving (1 - sigma of it, at
-                                             least 0.05) it is the rate a busy edge drains its queue
-                                             at; 1/lam read a burst after a calm stretch at the calm
-                                             stretch's rate (2-2.5x the TTFT that followed;
-                                             routing.drain_rate: window keeps that reading)
+                                             window, so per second spent serving (1 - sigma of it) it
+                                             is the rate a busy edge drains its queue at; 1/lam read a
+                                             burst after a calm stretch at the calm stretch's rate
+                                             (2-2.5x the TTFT that followed; routing.drain_rate: window
+                                             keeps that reading). sigma counts training beside serving
+                                             and the loop's own time between steps as spare, so on
+                                             such an edge this guard is the weaker and the cost
+                                             model's term (stretched by g) the one that binds
     TTFT^ = wait + t_pf + (ceil(p / (B - k)) - 1) * t_pf * g
                                              an arrival preempts training, so only later chunks stretch
     TPOT^ = min(t_dec(k+1) * g, max(t_dec(k+1), s*P))

@@ -101,6 +101,7 @@ class RouterSim(Strict):
     pack_newest: bool = Field(_ROUTING.pack_newest, description="routing.pack_newest (slo_pack)")
     pack_gate: float | None = Field(_ROUTING.pack_gate, ge=-1, lt=1, allow_inf_nan=False,
                                     description="routing.pack_gate (slo_pack)")
+    drain_rate: Literal["serving", "window"] = Field(_ROUTING.drain_rate, description="routing.drain_rate")
 
     @model_validator(mode="after")
     def _margins(self) -> RouterSim:

@@ -119,7 +119,7 @@ class World(FederationRounds):
         self.counter = 0
         self.assumptions = RoutingConfig(  # what collm-router assumes, with the sim's edge safety
             edge_slo_safety=cfg.slo_safety, probe_after_s=r.probe_after_s, pack_slack=r.pack_slack,
-            pack_spare=r.pack_spare, pack_newest=r.pack_newest).assumptions()
+            pack_spare=r.pack_spare, pack_newest=r.pack_newest, drain_rate=r.drain_rate).assumptions()
         S = len(self.serving)
         self._init_columns()
         per_router = math.ceil(S / self.shards) if S else 0  # each router polls its own edges

@@ -62,8 +62,9 @@ def test_a_queue_drains_at_the_edges_finish_rate_while_it_serves_not_over_its_wh
     # routing.drain_rate: window, the rule before: 1/lam whatever the edge did with its window
     window = Assumptions(typical_output_tokens=64, drain_per_serving_s=False)
     assert estimate(calm, X, window).ttft_s - bare == pytest.approx(5 * (1.0 - model_departure))
-    # an edge whose window was all spare still counts at least 5% of it as serving (no division by 0)
-    assert estimate(replace(calm, spare_capacity=1.0), X, a).ttft_s - bare == pytest.approx(0.0)
+    # an edge that spent (nearly) none of its window serving counts 5% of it: 0.05 / 0.1 per departure
+    rare = replace(calm, spare_capacity=1.0, finish_rate=0.1)
+    assert estimate(rare, X, a).ttft_s - bare == pytest.approx(5 * (0.5 - model_departure))
 
 
 def test_requests_sent_since_the_scrape_count_as_load():
