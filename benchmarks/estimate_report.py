@@ -1,6 +1,6 @@
 """How well did the router's TTFT estimate predict the first tokens it relayed? From a collm-bench results.json.
 
-    python benchmarks/estimate_report.py runs/bench-burst/results.json
+    python benchmarks/estimate_report.py runs/bench-burst/results.json   # or a run's results.partial.json
 
 Each request of a mode with the slo router carries `soonest_ttft_s`: the estimate admission compared with the
 target. Per mode and load point this prints how many were refused, and for the admitted ones the measured
@@ -21,8 +21,12 @@ from collm.common.stats import percentile
 def rows(results: dict) -> list[list[str]]:
     target = results["config"].get("ttft_ms", 3000) / 1000
     out = []
-    for mode, m in results["modes"].items():
-        for p in m["points"]:
+    runs = [(mode, m["points"]) for mode, m in results.get("modes", {}).items()]
+    if not runs:  # results.partial.json of a run under way: its passes so far
+        runs = [(f"{mode} (pass {i + 1})", r["points"]) for mode, rs in results.get("passes", {}).items()
+                for i, r in enumerate(rs)]
+    for mode, points in runs:
+        for p in points:
             oc = p.get("outcomes") or []
             if not any(o.get("soonest_ttft_s") is not None for o in oc):
                 continue  # a mode without the slo router (round robin): no estimates
