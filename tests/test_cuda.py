@@ -32,7 +32,8 @@ def _greedy_tokens(device: str) -> list[list[int]]:
 
 def test_greedy_tokens_on_the_gpu_equal_the_cpus():
     cpu, gpu = _greedy_tokens("cpu"), _greedy_tokens("cuda")
-    # float32 on both; summation order differs, so a near-tie may flip late in a sequence, never early
+    # float32 on both (TF32 off by default); summation order differs, so a near-tie may flip a token, and the
+    # rest of that sequence then follows it: allowed in the last few tokens only, never in the first four
     assert all(c[:4] == g[:4] for c, g in zip(cpu, gpu)), (cpu, gpu)
     same = sum(a == b for c, g in zip(cpu, gpu) for a, b in zip(c, g))
     assert same >= 0.9 * sum(len(c) for c in cpu), (cpu, gpu)

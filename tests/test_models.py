@@ -77,6 +77,16 @@ def test_4bit_lora_gradients_stay_correct_after_inference():
         assert torch.nn.functional.cosine_similarity(g_ref.flatten(), g.flatten(), dim=0) > 0.999
 
 
+def test_a_quantized_base_is_placed_on_a_device_transformers_can_name(monkeypatch):
+    """`device: cuda` resolves to a bare "cuda" (index None); transformers cannot place a model on None."""
+    from collm.edge_client.model.loading import quantized_device_map
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # what a one-GPU machine answers
+    assert quantized_device_map(torch.device("cpu")) == {"": "cpu"}
+    assert quantized_device_map(torch.device("cuda")) == {"": 0}
+    assert quantized_device_map(torch.device("cuda:1")) == {"": 1}
+
+
 @pytest.mark.slow
 def test_bundled_smollm2_answers_offline(smollm2_lm):
     lm = smollm2_lm

@@ -252,6 +252,14 @@ def _model_source_dir(cfg: ModelConfig) -> tuple[str | Path, str | None, str]:
     return _tiny_dir(cfg), None, "collm-tiny"
 
 
+def quantized_device_map(device: torch.device) -> dict:
+    """Where a bitsandbytes base is placed as it loads. A bare "cuda" (what `device: auto` and `device: cuda`
+    resolve to) has no index, and transformers cannot place a model on device None: the current CUDA device."""
+    if device.type != "cuda":
+        return {"": "cpu"}
+    return {"": device.index if device.index is not None else torch.cuda.current_device()}
+
+
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load the frozen base model and tokenizer described by `cfg`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -275,7 +283,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             kw["gguf_file"] = gguf
         if cfg.quantization != "none":
             kw["quantization_config"] = _quantization_config(cfg, dtype)
-            kw["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+            kw["device_map"] = quantized_device_map(device)
         try:
             tokenizer = AutoTokenizer.from_pretrained(src, **({"gguf_file": gguf} if gguf else {}))
             model = AutoModelForCausalLM.from_pretrained(src, **kw)
