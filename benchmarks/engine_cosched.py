@@ -24,7 +24,7 @@ def bench_cosched(args, dev: torch.device) -> dict:
     from collm.edge_client.training.jobs import TrainBudget
 
     quick = args.quick
-    mr = getattr(args, "max_running", None)
+    mr = args.max_running
     # the preset's KV budget is 32 MB a running sequence (256 MB for 8): keep that share at a larger batch
     cfg = engine_cfg("smollm2", args.device, args.dtype,
                      {"engine": {"max_running": mr, "kv_cache_mb": 32 * mr}} if mr else None)
