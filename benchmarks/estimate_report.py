@@ -1,6 +1,6 @@
 """How well did the router's TTFT estimate predict the first tokens it relayed? From a collm-bench results.json.
 
-    python benchmarks/estimate_report.py runs/bench-burst/results.json   # or a run's results.partial.json
+    python benchmarks/estimate_report.py runs/bench-burst/results.json   # or a run's results.partial.json, or a .json.gz
 
 Each request of a mode with the slo router carries `soonest_ttft_s`: the estimate admission compared with the
 target. Per mode and load point this prints how many were refused, and for the admitted ones the measured
@@ -12,10 +12,10 @@ burst is read at').
 
 from __future__ import annotations
 
-import json
 import sys
 
 from collm.common.stats import percentile
+from collm.lab.bench_report import read_results
 
 
 def rows(results: dict) -> list[list[str]]:
@@ -49,9 +49,8 @@ def main(argv=None) -> int:
         print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
         return 2
     try:
-        with open(args[0], encoding="utf-8") as f:
-            results = json.load(f)
-    except (OSError, ValueError) as e:
+        results = read_results(args[0])
+    except (OSError, ValueError, EOFError) as e:
         print(f"estimate_report: cannot read {args[0]}: {e}", file=sys.stderr)
         return 2
     head = ["mode", "load", "requests", "refused", "refused: estimate p50 s",

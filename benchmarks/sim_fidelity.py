@@ -15,12 +15,12 @@ goodput collm/isolated real vs simulated (target within 15%). Writes the table t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from collm.common.config import load_config
 from collm.common.stats import ratio_ci
+from collm.lab.bench_report import read_results
 from collm.sim.config import SimConfig
 from collm.sim.run import capacity, load_requests, run_fleet
 
@@ -62,7 +62,7 @@ def calibrate(cfg: SimConfig, real: dict) -> tuple[SimConfig, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--real", required=True, help="results.json of a collm-bench run")
+    p.add_argument("--real", required=True, help="results.json (or .json.gz) of a collm-bench run")
     p.add_argument("--config", default="configs/sim-fidelity.yaml")
     p.add_argument("--md", help="also write the table here")
     p.add_argument("--seeds", type=int, default=3, help="simulations (seeds) to average the simulated figures over")
@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interference", help="override the config's interference, as YAML: "
                    "'{per_machine: 2, slowdown: 0.05, ...}' (benchmarks/interference.py prints it)")
     args = p.parse_args(argv)
-    real = json.loads(Path(args.real).read_text())
+    try:
+        real = read_results(args.real)
+    except (OSError, ValueError, EOFError) as e:
+        p.error(f"--real: cannot read {args.real}: {e}")
     cfg = load_config(SimConfig, args.config)
     if args.profile:
         cfg = cfg.model_copy(update={"devices": [d.model_copy(update={"profile": args.profile, "speed": 1.0})

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import statistics
 import sys
 from collections import defaultdict
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchkit import table  # noqa: E402
 
 from collm.edge_client.engine.timeline import read_timeline  # noqa: E402
+from collm.lab.bench_report import read_results  # noqa: E402
 
 KINDS = ("step", "train", "eval", "other")
 
@@ -205,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", help="comma-separated (default: every mode with timelines)")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    src = out / "results.json" if (out / "results.json").exists() else out / "results.partial.json"
-    if not src.exists():
+    src = next((out / n for n in ("results.json", "results.json.gz", "results.partial.json") if (out / n).exists()),
+               None)
+    if src is None:
         ap.error(f"{out} has no results.json or results.partial.json: give a collm-bench output folder (its `out`)")
-    results = json.loads(src.read_text())
+    results = read_results(src)
     modes = args.modes.split(",") if args.modes else list(results["modes"])
     unknown = sorted(set(modes) - set(results["modes"]))
     if unknown:

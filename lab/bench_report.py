@@ -1,5 +1,8 @@
 """collm-bench's outputs: results.json, report.md and four PNG plots (matplotlib, no display).
 
+Runs kept under docs/ store their results.json gzipped (results.json.gz: a tenth of the size, so the tracked
+tree stays small enough to carry); `read_results` reads either, and a path to X.json finds X.json.gz.
+
 Ratios between modes are computed at each load point on the same requests (paired bootstrap over
 request indices: request i is the same arrival in both modes), so their intervals are honest even
 with tens of requests a point.
@@ -7,6 +10,7 @@ with tens of requests a point.
 
 from __future__ import annotations
 
+import gzip
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +19,18 @@ from collm.lab.bench_analysis import split_passes, widened_ratio
 
 COLORS = {"collm": "#2b7bba", "isolated": "#d95f02", "colocated-naive": "#7570b3", "serve-only": "#66a61e"}
 VARIANT_COLORS = ("#1b9e77", "#e7298a", "#a6761d", "#666666")
+
+
+def read_results(path: str | Path) -> dict:
+    """A collm-bench results file: X.json, X.json.gz, or X.json given when only X.json.gz exists.
+    OSError if neither exists, ValueError if it is not JSON."""
+    path = Path(path)
+    if not path.exists() and path.suffix == ".json" and path.with_name(path.name + ".gz").exists():
+        path = path.with_name(path.name + ".gz")
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def ratio_pairs(modes) -> list[tuple[str, str]]:

@@ -327,3 +327,27 @@ def test_the_ceiling_is_serve_onlys_idle_time_over_the_isolated_trainers_busy_ti
     assert high["ceiling"] == pytest.approx(0.06 / 0.95) and high["own"] == pytest.approx(0.02)
     assert high["measured"] == pytest.approx(0.1)
     assert ceiling_rows({"collm": by_mode["collm"], "isolated": by_mode["isolated"]}, results) == []
+
+
+def test_a_run_kept_gzipped_reads_back_by_either_name(tmp_path):
+    """docs/ keeps each run's results.json gzipped; the tools that read a run (estimate_report, sim_fidelity,
+    timeline_report) take X.json.gz, or the X.json name it was written under, and read the same dict."""
+    import gzip
+    import json
+
+    from collm.lab.bench_report import read_results
+
+    results = {"config": {"ttft_ms": 3000}, "modes": {"collm": {"points": [{"fraction": 0.3, "goodput": 1.5}]}}}
+    plain = tmp_path / "plain" / "results.json"
+    plain.parent.mkdir()
+    plain.write_text(json.dumps(results))
+    kept = tmp_path / "kept" / "results.json"
+    kept.parent.mkdir()
+    with gzip.open(kept.with_name("results.json.gz"), "wt") as f:
+        json.dump(results, f)
+    assert read_results(plain) == read_results(kept) == read_results(f"{kept}.gz") == results
+    with pytest.raises(OSError):
+        read_results(tmp_path / "none" / "results.json")
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(OSError):
+        read_results(tmp_path / "bad.json.gz")
