@@ -293,7 +293,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="configs/bench-quick.yaml")
     p.add_argument("--out", help="override `out`")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier benchmark's results in `out`")
+    p.add_argument("--replot", metavar="RESULTS", help="run nothing: draw the report and plots of a finished run "
+                   "(its results.json, or the results.json.gz docs/ keeps) into --out")
     return p
+
+
+def replot(results_path: str, out: str | None, overwrite: bool) -> int:
+    """report.md and the plots of a kept run, from its results alone (docs/ keeps no plots for most A/Bs)."""
+    from collm.lab.bench_report import read_results, write_report
+
+    if not out:
+        raise UserError("--replot: give --out, the folder to draw into (e.g. runs/replot)")
+    try:
+        results = read_results(results_path)
+    except (OSError, ValueError, EOFError) as e:
+        raise UserError(f"--replot: cannot read {results_path}: {e}") from None
+    if not isinstance(results, dict) or not isinstance(results.get("modes"), dict) or "config" not in results:
+        raise UserError(f"--replot: {results_path} is not a finished collm-bench run's results (no modes / config)")
+    paths = write_report(results, prepare_out(Path(out), overwrite))
+    print(f"collm-bench: report {paths['markdown']}, plots beside it", flush=True)
+    return 0
 
 
 def interrupt_on_signal(signum, frame) -> None:
@@ -308,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     from collm.lab.bench_report import write_report
 
     args = build_parser().parse_args(argv)
+    if args.replot:
+        return replot(args.replot, args.out, args.overwrite)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, interrupt_on_signal)  # SIGTERM stops the mode's processes, like ^C
     cfg = load_config(BenchConfig, args.config, {"out": args.out} if args.out else None)

@@ -152,3 +152,26 @@ def test_every_replica_writes_a_timeline_that_accounts_for_its_requests(bench):
                    for *_, kind, _ in tl.spans if kind == "train")
 
     assert train_units("collm") > 0 and train_units("isolated") > 0 and train_units("serve-only") == 0
+
+
+@pytest.mark.slow
+def test_a_kept_run_replots_to_the_same_report(bench, tmp_path):
+    """docs/ keeps a run's results gzipped and few of its plots: `collm-bench --replot` draws the report and
+    plots again from the results alone, and the report says what the run's own said."""
+    import gzip
+    import shutil
+
+    out, _ = bench
+    kept = tmp_path / "kept" / "results.json.gz"
+    kept.parent.mkdir()
+    with open(out / "results.json", "rb") as src, gzip.open(kept, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    again = tmp_path / "again"
+    proc = subprocess.run([str(BIN / "collm-bench"), "--replot", str(kept.with_suffix("")), "--out", str(again)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (again / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (again / "report.md").read_text() == (out / "report.md").read_text()
+    proc = subprocess.run([str(BIN / "collm-bench"), "--replot", str(kept)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "--replot: give --out" in proc.stderr and "Traceback" not in proc.stderr
