@@ -310,12 +310,19 @@ def replot(results_path: str, out: str | None, overwrite: bool) -> int:
         raise UserError(f"--replot: cannot read {results_path}: {e}") from None
     if not isinstance(results, dict) or not isinstance(results.get("modes"), dict) or "config" not in results:
         raise UserError(f"--replot: {results_path} is not a finished collm-bench run's results (no modes / config)")
-    try:
-        paths = write_report(results, prepare_out(Path(out), overwrite))
-    except (KeyError, TypeError, IndexError, AttributeError) as e:
-        raise UserError(f"--replot: {results_path} is not a finished collm-bench run's results "
-                        f"({type(e).__name__}: {e})") from None
-    print(f"collm-bench: report {paths['markdown']}, plots beside it", flush=True)
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:  # drawn aside first: a results file that fails leaves no folder
+        try:
+            write_report(results, Path(tmp))
+        except (KeyError, TypeError, IndexError, AttributeError) as e:
+            raise UserError(f"--replot: {results_path} is not a finished collm-bench run's results "
+                            f"({type(e).__name__}: {e})") from None
+        dest = prepare_out(Path(out), overwrite)
+        for f in Path(tmp).iterdir():
+            shutil.move(str(f), dest / f.name)
+    print(f"collm-bench: report {dest / 'report.md'}, plots beside it", flush=True)
     return 0
 
 
