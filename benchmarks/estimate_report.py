@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         return 2
     try:
         results = read_results(args[0])
-    except (OSError, ValueError, EOFError) as e:
+    except (OSError, ValueError) as e:
         print(f"estimate_report: cannot read {args[0]}: {e}", file=sys.stderr)
         return 2
     head = ["mode", "load", "requests", "refused", "refused: estimate p50 s",

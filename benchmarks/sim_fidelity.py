@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         real = read_results(args.real)
-    except (OSError, ValueError, EOFError) as e:
+    except (OSError, ValueError) as e:
         p.error(f"--real: cannot read {args.real}: {e}")
     cfg = load_config(SimConfig, args.config)
     if args.profile:

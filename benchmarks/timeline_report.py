@@ -205,11 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", help="comma-separated (default: every mode with timelines)")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    src = next((out / n for n in ("results.json", "results.json.gz", "results.partial.json") if (out / n).exists()),
-               None)
+    names = ("results.json", "results.json.gz", "results.partial.json", "results.partial.json.gz")
+    src = next((out / n for n in names if (out / n).exists()), None)
     if src is None:
-        ap.error(f"{out} has no results.json or results.partial.json: give a collm-bench output folder (its `out`)")
-    results = read_results(src)
+        ap.error(f"{out} has no results.json or results.partial.json (or .gz): give a collm-bench output folder "
+                 "(its `out`)")
+    try:
+        results = read_results(src)
+    except (OSError, ValueError) as e:
+        ap.error(f"cannot read {src}: {e}")
     modes = args.modes.split(",") if args.modes else list(results["modes"])
     unknown = sorted(set(modes) - set(results["modes"]))
     if unknown:

@@ -300,26 +300,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def replot(results_path: str, out: str | None, overwrite: bool) -> int:
     """report.md and the plots of a kept run, from its results alone (docs/ keeps no plots for most A/Bs)."""
+    import shutil
+    import tempfile
+
     from collm.lab.bench_report import read_results, write_report
 
     if not out:
         raise UserError("--replot: give --out, the folder to draw into (e.g. runs/replot)")
+    source, dest = Path(results_path).resolve(), Path(out).resolve()
+    if dest == source.parent or dest in source.parents:
+        raise UserError(f"--replot: --out {out} holds the results it would redraw (and, for a run's own folder, its "
+                        "timelines and logs); draw into another folder")
     try:
         results = read_results(results_path)
-    except (OSError, ValueError, EOFError) as e:
+    except (OSError, ValueError) as e:
         raise UserError(f"--replot: cannot read {results_path}: {e}") from None
     if not isinstance(results, dict) or not isinstance(results.get("modes"), dict) or "config" not in results:
         raise UserError(f"--replot: {results_path} is not a finished collm-bench run's results (no modes / config)")
-    import shutil
-    import tempfile
-
+    if not results["modes"]:
+        raise UserError(f"--replot: {results_path} has no finished mode (a results.partial.json?): give the run's "
+                        "results.json")
     with tempfile.TemporaryDirectory() as tmp:  # drawn aside first: a results file that fails leaves no folder
         try:
             write_report(results, Path(tmp))
-        except (KeyError, TypeError, IndexError, AttributeError) as e:
+        except Exception as e:  # any shape write_report cannot draw: one line, not a traceback
             raise UserError(f"--replot: {results_path} is not a finished collm-bench run's results "
                             f"({type(e).__name__}: {e})") from None
-        dest = prepare_out(Path(out), overwrite)
+        dest = prepare_out(dest, overwrite)
         for f in Path(tmp).iterdir():
             shutil.move(str(f), dest / f.name)
     print(f"collm-bench: report {dest / 'report.md'}, plots beside it", flush=True)
@@ -338,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     from collm.lab.bench_report import write_report
 
     args = build_parser().parse_args(argv)
-    if args.replot:
+    if args.replot is not None:
         return replot(args.replot, args.out, args.overwrite)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, interrupt_on_signal)  # SIGTERM stops the mode's processes, like ^C

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,13 +24,16 @@ VARIANT_COLORS = ("#1b9e77", "#e7298a", "#a6761d", "#666666")
 
 def read_results(path: str | Path) -> dict:
     """A collm-bench results file: X.json, X.json.gz, or X.json given when only X.json.gz exists.
-    OSError if neither exists, ValueError if it is not JSON."""
+    OSError if neither exists or it cannot be read, ValueError if it is not JSON or a damaged gzip."""
     path = Path(path)
     if not path.exists() and path.suffix == ".json" and path.with_name(path.name + ".gz").exists():
         path = path.with_name(path.name + ".gz")
     if path.suffix == ".gz":
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            return json.load(f)
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                return json.load(f)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # truncated, corrupt, or not gzip at all
+            raise ValueError(f"{path}: not a readable gzip ({e})") from None
     return json.loads(path.read_text(encoding="utf-8"))
 
 

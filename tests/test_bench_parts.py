@@ -349,5 +349,41 @@ def test_a_run_kept_gzipped_reads_back_by_either_name(tmp_path):
     with pytest.raises(OSError):
         read_results(tmp_path / "none" / "results.json")
     (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match="not a readable gzip"):
         read_results(tmp_path / "bad.json.gz")
+    whole = gzip.compress(json.dumps(results).encode())
+    (tmp_path / "cut.json.gz").write_bytes(whole[: len(whole) // 2])  # truncated: EOFError inside gzip
+    with pytest.raises(ValueError, match="not a readable gzip"):
+        read_results(tmp_path / "cut.json.gz")
+
+
+def test_replot_refuses_what_it_cannot_draw_in_one_line_and_leaves_no_folder(tmp_path):
+    """`collm-bench --replot`: a partial run, another JSON, a damaged gzip or a folder that holds the results
+    are one-line errors naming the problem; the output folder is neither made nor touched."""
+    import gzip
+    import json
+
+    from collm.lab.bench import replot
+
+    run = tmp_path / "run"
+    (run / "collm").mkdir(parents=True)
+    (run / "collm" / "timeline-serve-train0.jsonl").write_text("{}\n")
+    partial = run / "results.partial.json"
+    partial.write_text(json.dumps({"config": {}, "modes": {}, "passes": {"collm": []}}))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "damaged.json.gz").write_bytes(gzip.compress(b'{"modes": {}}')[:-12] + b"\x00" * 12)
+    shaped = tmp_path / "shaped.json"
+    shaped.write_text(json.dumps({"config": {}, "modes": {"collm": {"points": []}}}))
+    out = tmp_path / "out"
+    for path, said in [(partial, "no finished mode"), (tmp_path / "list.json", "no modes / config"),
+                       (tmp_path / "damaged.json.gz", "cannot read"), (shaped, "not a finished collm-bench run"),
+                       (tmp_path / "none.json", "cannot read")]:
+        with pytest.raises(UserError, match=said):
+            replot(str(path), str(out), overwrite=False)
+        assert not out.exists()
+    with pytest.raises(UserError, match="--out"):
+        replot(str(partial), None, overwrite=False)
+    for inside in (run, tmp_path):  # the run's own folder, or one above it: never emptied by --overwrite
+        with pytest.raises(UserError, match="holds the results"):
+            replot(str(partial), str(inside), overwrite=True)
+    assert (run / "collm" / "timeline-serve-train0.jsonl").is_file()
