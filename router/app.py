@@ -60,7 +60,7 @@ from collm.router.poller import EdgePoller
 from collm.router.proxy import SOONEST_HEADER, EdgeProxy, AttemptFailed
 from collm.router.requests import request_view
 from collm.router.fleet import FleetTable, choose, stale_after
-from collm.router.policy import Assumptions, Decision, Estimate, RequestView, unattainable
+from collm.router.policy import Assumptions, Decision, Estimate, RequestView, learn_output, unattainable
 from collm.router.state import EdgeState
 
 log = logging.getLogger("collm.router")
@@ -166,8 +166,7 @@ class Router(EdgeProxy):
         return edge, d, est
 
     def _learn_output(self, tokens: int | None) -> None:
-        if tokens:
-            self.typical_output = 0.9 * self.typical_output + 0.1 * tokens
+        self.typical_output = learn_output(self.typical_output, tokens)
 
     # ---------------------------------------------------------------- forwarding
     async def forward(self, request: Request, path: str, method: str = "POST", chat: bool = False) -> Response:

@@ -189,6 +189,19 @@ class Decision:
     soonest: Estimate | None = None  # slo policy: the edge that would give x its first token soonest
 
 
+OUTPUT_LEARN_WEIGHT = 0.1  # each finished request's weight in L, the typical output length
+
+
+def learn_output(typical: float, tokens: int | None) -> float:
+    """L after a request finished with `tokens` output tokens: a moving average from the configured prior.
+
+    The wait term counts L tokens per departure; a prior four times the traffic's outputs made the
+    cost model's term four times too slow. collm-router and collm-sim both learn L here."""
+    if not tokens or tokens < 0:
+        return typical
+    return (1 - OUTPUT_LEARN_WEIGHT) * typical + OUTPUT_LEARN_WEIGHT * tokens
+
+
 def unattainable(d: Decision, margin: float = 1.0) -> bool:
     """Admission: no edge's estimated TTFT is within `margin` times the request's target (the
     router answers 429).

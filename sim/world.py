@@ -28,7 +28,7 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from collm.lab.bench_config import edge_policy, is_collm, mode_roles, router_pol
 from collm.router import fleet
 from collm.router.config import HealthConfig, RoutingConfig
 from collm.router.admission import AdmissionController, routing_policy
-from collm.router.policy import EdgeView, RequestView, unattainable
+from collm.router.policy import EdgeView, RequestView, learn_output, unattainable
 from collm.router.requests import ROLE_MARKER_TOKENS
 from collm.sim.config import SimConfig
 from collm.sim.edge import SimEdge, SimRequest
@@ -117,11 +117,12 @@ class World(FederationRounds):
         self.policy = router_policy(mode, cfg.collm_routing)
         r = cfg.router
         self.counter = 0
-        self.assumptions = RoutingConfig(  # what collm-router assumes, with the sim's edge safety
+        assumptions = RoutingConfig(  # what collm-router assumes, with the sim's edge safety
             edge_slo_safety=cfg.slo_safety, probe_after_s=r.probe_after_s, pack_slack=r.pack_slack,
             pack_spare=r.pack_spare, pack_newest=r.pack_newest, drain_rate=r.drain_rate).assumptions()
         S = len(self.serving)
         self._init_columns()
+        self.assumptions = [assumptions] * self.shards  # per router shard: each learns its own L from its replies
         per_router = math.ceil(S / self.shards) if S else 0  # each router polls its own edges
         self.poll_every = max(1, math.ceil(per_router / (r.max_polls_per_s * r.interval_s)))
         self.stale_after = fleet.stale_after(HealthConfig().stale_after_s, self.poll_every * r.interval_s)
@@ -199,7 +200,7 @@ class World(FederationRounds):
         c = self._columns(now, shard)
         policy = routing_policy(self.policy, cfg.router.pack_gate, self.admissions[shard], now,  # as collm-router
                                 self.waiting[shard].values())
-        d = fleet.choose(policy, c, x, self.rng, self.counter // self.shards, self.assumptions)
+        d = fleet.choose(policy, c, x, self.rng, self.counter // self.shards, self.assumptions[shard])
         self.counter += 1
         k = self._row[d.edge]
         e = self.serving[k]
@@ -243,6 +244,11 @@ class World(FederationRounds):
                     self.admissions[shard].shed(now)
             return
         ttft += self.cfg.network.rtt_s
+        if k is not None:  # that edge's router learns the output length it relayed (collm-router's L)
+            shard = k % self.shards
+            a = self.assumptions[shard]
+            self.assumptions[shard] = replace(a, typical_output_tokens=learn_output(a.typical_output_tokens,
+                                                                                   len(r.out_ids)))
         edge.finished += 1
         ok = meets_slo(True, ttft, tpot, r.slo.ttft_s, r.slo.tpot_s)
         edge.met += ok
