@@ -121,6 +121,9 @@ class RoutingConfig(Strict):
                               "evaluates in idle time instead of behind its traffic. Same-run A/B (steady trace, "
                               "docs/benchmarks.md): 1.70x the quality-weighted goodput at 0.3 x C, 0.97x at 0.8 x C "
                               "with 1.01x the goodput, 3 rounds instead of 2")
+    pack_free_slot: bool = Field(False, description="slo_pack policy: gather only onto an edge where the request "
+                                 "gets a running slot at once, never into the queue behind its full batch while "
+                                 "another edge has room")
     pack_gate: float | None = Field(0.5, ge=-1, lt=1, allow_inf_nan=False, description="slo_pack policy: gather "
                                     "only while the measured TTFT slack of the router's recent first tokens (1 - "
                                     "admission_feedback.quantile of TTFT / target over its window) is at least this; "
@@ -170,8 +173,8 @@ class RoutingConfig(Strict):
             typical_output_tokens=float(self.typical_output_tokens if typical_output_tokens is None
                                         else typical_output_tokens),
             tie_margin=self.tie_margin, comfort=self.comfort, pack_slack=self.pack_slack,
-            pack_spare=self.pack_spare, pack_newest=self.pack_newest, probe_after_s=self.probe_after_s,
-            drain_per_serving_s=self.drain_rate == "serving")
+            pack_spare=self.pack_spare, pack_newest=self.pack_newest, pack_free_slot=self.pack_free_slot,
+            probe_after_s=self.probe_after_s, drain_per_serving_s=self.drain_rate == "serving")
 
 
 class ProxyConfig(Strict):

@@ -156,6 +156,8 @@ def choose_slo(c: Columns, x: RequestView, rng: random.Random, a: Assumptions = 
         i = int(near[0])
         return Decision(c.names[i], _estimate(c, e, i), "best", soonest)
     roomy = near[(slack[near] >= a.pack_slack) & (c.spare[near] >= a.pack_spare)] if pack else near[:0]
+    if a.pack_free_slot and len(roomy):
+        roomy = roomy[e["n"][roomy] < np.maximum(1.0, c.max_running[roomy])]
     if len(roomy):  # (the newest version,) the most requests, the least training, the first (policy.choose_slo)
         keys = (np.arange(len(roomy)), c.share[roomy], -e["n"][roomy])
         if a.pack_newest:

@@ -161,6 +161,7 @@ class Assumptions:
     pack_slack: float = 0.4   # slo_pack: gather requests only on edges with at least this slack ...
     pack_spare: float = 0.0   # ... and at least this spare capacity (not serving) over their window
     pack_newest: bool = True  # ... to the newest adapter version first (then the most requests)
+    pack_free_slot: bool = False  # ... and only onto an edge where x runs at once (n < M), never into its queue
     probe_after_s: float = float("inf")
     drain_per_serving_s: bool = True  # the finish-rate guard per second spent serving (False: over the whole window)
 
@@ -253,7 +254,8 @@ def choose_slo(edges: list[EdgeView], x: RequestView, rng: random.Random,
     """The `slo` policy: most normalised SLO slack, near-ties by power of two choices. `pack` (the
     `slo_pack` policy): near-ties with at least `pack_slack` slack and `pack_spare` spare capacity go
     to the one serving the newest adapter version (`pack_newest`), then the one with the most requests
-    (then the one that trains less, then the first), so a
+    (then the one that trains less, then the first), with `pack_free_slot` only where x gets a running
+    slot at once (a request queued behind a full batch waits while another edge has room), so a
     light load gathers on few edges and the others train in idle time, where a unit costs serving
     nothing (and a busier edge batches its decodes better); once no near edge has that much room the
     load spreads by power of two choices again."""
@@ -272,7 +274,8 @@ def choose_slo(edges: list[EdgeView], x: RequestView, rng: random.Random,
         return Decision(pick.name, ests[pick.name], "probe", soonest)
     if len(near) == 1:
         return Decision(near[0].name, ests[near[0].name], "best", soonest)
-    roomy = [e for e in near if slack[e.name] >= a.pack_slack and e.spare_capacity >= a.pack_spare] if pack else []
+    roomy = [e for e in near if slack[e.name] >= a.pack_slack and e.spare_capacity >= a.pack_spare
+             and not (a.pack_free_slot and ests[e.name].load >= max(1.0, e.max_running))] if pack else []
     if roomy:  # the first of equals
         pick = max(roomy, key=lambda e: (_version(e) if a.pack_newest else 0.0, ests[e.name].load, -e.training_share))
         return Decision(pick.name, ests[pick.name], f"pack among {len(roomy)}", soonest)

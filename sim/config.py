@@ -99,6 +99,7 @@ class RouterSim(Strict):
     pack_slack: float = Field(_ROUTING.pack_slack, ge=0, le=1, description="routing.pack_slack (slo_pack)")
     pack_spare: float = Field(_ROUTING.pack_spare, ge=0, le=1, description="routing.pack_spare (slo_pack)")
     pack_newest: bool = Field(_ROUTING.pack_newest, description="routing.pack_newest (slo_pack)")
+    pack_free_slot: bool = Field(_ROUTING.pack_free_slot, description="routing.pack_free_slot (slo_pack)")
     pack_gate: float | None = Field(_ROUTING.pack_gate, ge=-1, lt=1, allow_inf_nan=False,
                                     description="routing.pack_gate (slo_pack)")
     drain_rate: Literal["serving", "window"] = Field(_ROUTING.drain_rate, description="routing.drain_rate")

@@ -119,7 +119,8 @@ class World(FederationRounds):
         self.counter = 0
         assumptions = RoutingConfig(  # what collm-router assumes, with the sim's edge safety
             edge_slo_safety=cfg.slo_safety, probe_after_s=r.probe_after_s, pack_slack=r.pack_slack,
-            pack_spare=r.pack_spare, pack_newest=r.pack_newest, drain_rate=r.drain_rate).assumptions()
+            pack_spare=r.pack_spare, pack_newest=r.pack_newest, pack_free_slot=r.pack_free_slot,
+            drain_rate=r.drain_rate).assumptions()
         S = len(self.serving)
         self._init_columns()
         self.assumptions = [assumptions] * self.shards  # per router shard: each learns its own L from its replies

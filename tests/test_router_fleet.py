@@ -48,7 +48,7 @@ def test_columnar_slo_rule_decides_as_the_reference_rule(n_edges):
         pack = trial % 2 == 1  # the slo_pack variant on every other snapshot, at random thresholds
         if pack:
             a = replace(a, pack_slack=rng.choice([0.0, 0.3, 0.6]), pack_spare=rng.choice([0.0, 0.3, 0.6]),
-                        pack_newest=rng.random() < 0.5)
+                        pack_newest=rng.random() < 0.5, pack_free_slot=rng.random() < 0.5)
         ref = policy.choose_slo(views, x, random.Random(seed), a, pack)
         got = fleet.choose_slo(fleet.columns_from_views(views), x, random.Random(seed), a, pack)
         assert got == ref, (trial, views, x)  # same edge, same estimate to the bit, same reason, same soonest
