@@ -419,3 +419,26 @@ def test_the_simulated_router_gates_slo_pack_on_its_measured_slack_as_collm_rout
 
     assert len(edges_used(late=0)) == 1
     assert edges_used(late=3) == {0, 1}
+
+
+def test_estimate_terms_probe_records_the_estimate_admission_judged_and_each_term_off():
+    """benchmarks/estimate_terms.py: per routed request the soonest estimate as routed (a request the router
+    refused had it past the target) and with the finish-rate guard off (never above it: the guard is a max
+    over the cost model's departures), on a burst that queues and finishes requests."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from estimate_terms import VARIANTS, Probe
+
+    c = cfg(ttft_ms=300)
+    w = Probe(c, "collm", [fixed_profile()] * 2, 0)
+    calm = [TraceRequest(0.5 * k, 30, 8) for k in range(20)]
+    burst = [TraceRequest(10.0 + 0.01 * k, 30, 8) for k in range(60)]
+    w.run([calm + burst], 0.0, 0.0)
+    names = list(VARIANTS)
+    routed, guard_off = names.index("as routed"), names.index("no guard")
+    refused = [s for s in w.out if s.status == "refused" and s.edge < 0]
+    assert refused and len(w.estimates) == len(calm) + len(burst)
+    assert all(w.estimates[(s.point, s.index)][routed] > 0.3 for s in refused)
+    assert all(e[guard_off] <= e[routed] + 1e-12 for e in w.estimates.values())
+    assert any(e[guard_off] < e[routed] for e in w.estimates.values())  # the guard bound at least once
