@@ -387,3 +387,39 @@ def test_replot_refuses_what_it_cannot_draw_in_one_line_and_leaves_no_folder(tmp
         with pytest.raises(UserError, match="holds the results"):
             replot(str(partial), str(inside), overwrite=True)
     assert (run / "collm" / "timeline-serve-train0.jsonl").is_file()
+
+
+def test_step_context_groups_decode_steps_by_what_ran_before_and_by_the_served_version(tmp_path, capsys):
+    """benchmarks/step_context.py: a decode step is filed under what ended just before it on the same replica
+    (a step, a unit by job and kind, or an idle gap over 50 ms) and under before / after the replica's first
+    federated publish (its own adapter's publishes, version "local", and the initial version 0 do not count);
+    prefill steps are left out. A folder without timelines is a one-line error."""
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from step_context import after_what, by_version, main
+
+    def step(t, s, dec=2, pf=0):
+        return {"ev": "step", "t": t, "s": s, "dec": dec, "pf": pf, "att": 100, "run": dec, "wait": 0}
+
+    events = [{"ev": "publish", "t": 0.0, "s": 0.01, "version": 0, "source": "initial"},
+              step(1.0, 0.1), step(1.1, 0.2),                                   # after a step
+              {"ev": "unit", "t": 1.3, "s": 0.05, "job": "train", "unit": "backward", "tok": 50, "why": "x"},
+              step(1.35, 0.3),                                                  # after a training unit
+              step(2.0, 0.4),                                                   # after an idle gap
+              step(2.5, 0.3, dec=0, pf=64),                                     # prefill: left out
+              {"ev": "publish", "t": 3.0, "s": 0.01, "version": "local", "source": "local"},
+              step(3.1, 0.5, dec=1),                                            # still before version 1
+              {"ev": "publish", "t": 4.0, "s": 0.01, "version": 1, "source": "federated"},
+              step(4.1, 0.6, dec=6)]
+    assert dict(after_what(events)) == {("2", "step"): [0.2], ("2", "train backward"): [0.3],
+                                        ("2", "idle gap"): [0.4], ("1", "idle gap"): [0.5],
+                                        ("5-8", "idle gap"): [0.6]}
+    assert dict(by_version(events)) == {("2", "before"): [0.1, 0.2, 0.3, 0.4], ("1", "before"): [0.5],
+                                        ("5-8", "after"): [0.6]}
+    (tmp_path / "collm").mkdir()
+    (tmp_path / "collm" / "timeline-e0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert main([str(tmp_path)]) == 0
+    assert main([str(tmp_path / "collm")]) == 2
+    assert "no mode folder with timeline" in capsys.readouterr().err
