@@ -121,9 +121,10 @@ class RoutingConfig(Strict):
                               "evaluates in idle time instead of behind its traffic. Same-run A/B (steady trace, "
                               "docs/benchmarks.md): 1.70x the quality-weighted goodput at 0.3 x C, 0.97x at 0.8 x C "
                               "with 1.01x the goodput, 3 rounds instead of 2")
-    pack_free_slot: bool = Field(False, description="slo_pack policy: gather only onto an edge where the request "
+    pack_free_slot: bool = Field(True, description="slo_pack policy: gather only onto an edge where the request "
                                  "gets a running slot at once, never into the queue behind its full batch while "
-                                 "another edge has room")
+                                 "another edge has room (same-run A/B on the unseen bursts, docs/benchmarks.md: "
+                                 "1.05x goodput at 1.0 x C, 1.01x at 0.8 x C; false: gather into the queue too)")
     pack_gate: float | None = Field(0.5, ge=-1, lt=1, allow_inf_nan=False, description="slo_pack policy: gather "
                                     "only while the measured TTFT slack of the router's recent first tokens (1 - "
                                     "admission_feedback.quantile of TTFT / target over its window) is at least this; "

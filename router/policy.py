@@ -161,7 +161,7 @@ class Assumptions:
     pack_slack: float = 0.4   # slo_pack: gather requests only on edges with at least this slack ...
     pack_spare: float = 0.0   # ... and at least this spare capacity (not serving) over their window
     pack_newest: bool = True  # ... to the newest adapter version first (then the most requests)
-    pack_free_slot: bool = False  # ... and only onto an edge where x runs at once (n < M), never into its queue
+    pack_free_slot: bool = True  # ... and only onto an edge where x runs at once (n < M), never into its queue
     probe_after_s: float = float("inf")
     drain_per_serving_s: bool = True  # the finish-rate guard per second spent serving (False: over the whole window)
 

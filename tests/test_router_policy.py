@@ -288,20 +288,21 @@ def test_slo_pack_gathers_a_light_load_on_one_edge_and_spreads_once_it_lacks_roo
 
 
 def test_pack_free_slot_never_gathers_a_request_into_the_queue_of_a_full_batch():
-    """routing.pack_free_slot: a gathered edge whose batch is full (n >= M) still looks roomy when its queue
-    drains fast, and slo_pack would queue the request there while the other edge has a free slot. With the
-    option it gathers only where the request runs at once; below a full batch it gathers as before."""
+    """routing.pack_free_slot (the default): a gathered edge whose batch is full (n >= M) still looks roomy when
+    its queue drains fast, and slo_pack without the option queues the request there while the other edge has a
+    free slot. With it, it gathers only where the request runs at once; below a full batch it gathers as before."""
     fast = (0.001, 0.0001, 0.00001, 0.0)  # a queue of one waits ~1 ms: slack stays near 1
     full = idle("full", running=2, max_running=2, step_coef=fast)
     other = idle("other", running=1, max_running=2, step_coef=fast)
-    assert estimate(full, X).slack >= Assumptions().pack_slack  # roomy by slack alone
-    assert Counter(choose("slo_pack", [full, other], X, random.Random(s)).edge for s in range(20)) == {"full": 20}
-    free = Assumptions(pack_free_slot=True)
-    assert Counter(choose("slo_pack", [full, other], X, random.Random(s), a=free).edge
-                   for s in range(20)) == {"other": 20}
+    into_queue = Assumptions(pack_free_slot=False)
+    assert estimate(full, X).slack >= into_queue.pack_slack  # roomy by slack alone
+    assert Counter(choose("slo_pack", [full, other], X, random.Random(s), a=into_queue).edge
+                   for s in range(20)) == {"full": 20}
+    assert Assumptions().pack_free_slot
+    assert Counter(choose("slo_pack", [full, other], X, random.Random(s)).edge for s in range(20)) == {"other": 20}
     below = replace(full, running=1)  # the same edge one request short of full: gathered as before
-    assert Counter(choose("slo_pack", [below, other], X, random.Random(s), a=free).edge for s in range(20)) \
-        == Counter(choose("slo_pack", [below, other], X, random.Random(s)).edge for s in range(20))
+    assert Counter(choose("slo_pack", [below, other], X, random.Random(s)).edge for s in range(20)) \
+        == Counter(choose("slo_pack", [below, other], X, random.Random(s), a=into_queue).edge for s in range(20))
 
 
 def test_pack_newest_gathers_on_the_edge_that_serves_the_newest_global():
@@ -355,12 +356,12 @@ def test_the_routers_settings_reach_the_rule_by_name():
 
     routing = dict(step_token_budget=128, edge_slo_safety=0.7, typical_output_tokens=20, tie_margin=0.02,
                    comfort=0.4, probe_after_s=7.0, pack_slack=0.55, pack_spare=0.05, pack_newest=False,
-                   pack_free_slot=True, policy="slo_pack")
+                   pack_free_slot=False, policy="slo_pack")
     cfg = validate_config(RouterConfig, {"edges": [{"name": "e0", "url": "http://127.0.0.1:1"}],
                                          "routing": routing}, "test")
     a = create_app(cfg).state.router.assumptions()
     assert (a.step_token_budget, a.slo_safety, a.typical_output_tokens, a.tie_margin, a.comfort, a.probe_after_s,
             a.pack_slack, a.pack_spare, a.pack_newest, a.pack_free_slot) == (128, 0.7, 20.0, 0.02, 0.4, 7.0, 0.55,
-                                                                             0.05, False, True)
+                                                                             0.05, False, False)
     serving, empty = idle("serving", running=1, spare_capacity=0.1), idle("empty", spare_capacity=1.0)
     assert choose("slo_pack", [serving, empty], X, random.Random(0), a=a).edge == "serving"  # spare 0.1 >= 0.05
