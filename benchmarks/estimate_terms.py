@@ -2,14 +2,16 @@
 
     python benchmarks/estimate_terms.py --config docs/bench-run-2026-12-06-unseen/sim-fidelity.yaml --seeds 3
 
-collm only, at the config's load points (x the capacity searched per seed, as sim_variants.py does). For every
+collm only, at `--fractions` x the capacity searched per seed (as sim_variants.py does). For every
 request the simulated router routes, the soonest-edge TTFT estimate is recomputed on the same snapshot with one
 term switched off at a time, by the rule's own code (`router.fleet.estimates` on the columns it routed by):
 `g = 1` (no stretch for training beside serving) and `no guard` (the finish-rate guard on the wait term off,
 leaving the cost model's departures). Printed per load point, over the seeds: the refused requests' estimates
 (median) and how many each variant would still refuse, and for the admitted requests whose routed estimate
 was at least `--above` seconds, the simulated TTFT over each variant's estimate (median [10th, 90th
-percentile]). 1 is a true estimate; the real run's `estimate_report.py` gives the routed one's.
+percentile]). 1 is a true estimate; the real run's `estimate_report.py` gives the routed one's. Last, the stretch
+g = 1 + b / max(1 - sigma, 0.05) of the training edges the router saw (median and maximum) and their b, the
+share of the window spent training beside serving (mean).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Probe(World):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.estimates: dict[tuple[int, int], list[float]] = {}
+        self.stretch: dict[int, list[tuple[float, float]]] = {}  # load point -> (g, b) of each training edge seen
         self._cols = None
 
     def _columns(self, now, shard=0):
@@ -55,6 +58,10 @@ class Probe(World):
         super()._route(i, tr, now)
         x = RequestView(tr.prompt_tokens + ROLE_MARKER_TOKENS, tr.output_tokens, self.slo.ttft_s, self.slo.tpot_s)
         a = self.assumptions[shard]
+        c = self._cols
+        b = np.nan_to_num(c.busy[c.training.astype(bool)])
+        spare = np.nan_to_num(c.spare[c.training.astype(bool)])
+        self.stretch.setdefault(self._point, []).extend(zip(1 + b / np.maximum(1 - spare, 0.05), b))
         self.estimates[(self._point, i)] = [float(np.nanmin(fleet.estimates(v(self._cols), x, a)["ttft"]))
                                             for v in VARIANTS.values()]
 
@@ -77,11 +84,14 @@ def main() -> None:
     target = cfg.ttft_ms / 1000
     refused: dict[int, list[list[float]]] = {}
     admitted: dict[int, list[tuple[float, list[float]]]] = {}
+    stretch: dict[int, list[tuple[float, float]]] = {}
     for seed in range(a.seeds):
         cap = capacity(cfg, reqs, cfg.edges, seed)
         points = [cfg.trace.segment(reqs, f * cap["rate"], cfg.load.seconds, cfg.load.min_requests) for f in fractions]
         world = Probe(cfg, "collm", fleet_profiles(cfg, cfg.edges, load_profile), seed)
         world.run(points, cfg.warmup_s, cfg.load.drain_s)
+        for i, gb in world.stretch.items():
+            stretch.setdefault(i, []).extend(gb)
         for s in world.out:
             est = world.estimates.get((s.point, s.index))
             if est is None or not 0 <= s.point < len(fractions):
@@ -103,6 +113,11 @@ def main() -> None:
             got = f"TTFT / estimate {percentile(q, 0.5):.2f} [{percentile(q, 0.1):.2f}, {percentile(q, 0.9):.2f}]" \
                 if q else "TTFT / estimate -"
             print(f"    {name:>10}: {est};  admitted: {got}")
+        gb = stretch.get(i, [])
+        if gb:
+            g = [v for v, _ in gb]
+            print(f"    training edges seen: g p50 {percentile(g, 0.5):.2f}, max {max(g):.2f}; "
+                  f"b mean {statistics.fmean(b for _, b in gb):.3f}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 from collm.edge_client.engine.timeline import read_timeline
 
 MIN_N = 20
-BATCHES = ("1", "2", "3", "4", "5-8")  # decode rows: each count where the kernels' cost jumps, then the rest
+BATCHES = ("1", "2", "3", "4", "5-8")  # decode rows: 1-4 each (the few-row kernels differ by row count), then the rest
 
 
 def _batch(rows: int) -> str:

@@ -365,3 +365,15 @@ def test_the_routers_settings_reach_the_rule_by_name():
                                                                              0.05, False, False)
     serving, empty = idle("serving", running=1, spare_capacity=0.1), idle("empty", spare_capacity=1.0)
     assert choose("slo_pack", [serving, empty], X, random.Random(0), a=a).edge == "serving"  # spare 0.1 >= 0.05
+
+
+def test_learn_output_moves_l_toward_what_finished_and_ignores_nothing_learned():
+    """L, the output length per departure in the wait term, moves a tenth of the way to each finished
+    request's output; a reply without a usable count (None, 0, negative) leaves it as it was."""
+    from collm.router.policy import learn_output
+    assert learn_output(64.0, 4) == pytest.approx(58.0)
+    assert learn_output(64.0, None) == learn_output(64.0, 0) == learn_output(64.0, -5) == 64.0
+    typical = 64.0
+    for _ in range(100):
+        typical = learn_output(typical, 12)
+    assert typical == pytest.approx(12.0, abs=0.01)

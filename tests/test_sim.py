@@ -442,3 +442,4 @@ def test_estimate_terms_probe_records_the_estimate_admission_judged_and_each_ter
     assert all(w.estimates[(s.point, s.index)][routed] > 0.3 for s in refused)
     assert all(e[guard_off] <= e[routed] + 1e-12 for e in w.estimates.values())
     assert any(e[guard_off] < e[routed] for e in w.estimates.values())  # the guard bound at least once
+    assert all(g >= 1 and 0 <= b <= 1 for gb in w.stretch.values() for g, b in gb)
