@@ -26,8 +26,6 @@ import yaml
 
 from collm.common.stats import percentile
 from collm.router import fleet
-from collm.router.policy import RequestView
-from collm.router.requests import ROLE_MARKER_TOKENS
 from collm.sim.config import SimConfig
 from collm.sim.profile import load_profile
 from collm.sim.run import capacity, load_requests
@@ -56,7 +54,7 @@ class Probe(World):
     def _route(self, i, tr, now):
         shard = self.counter % self.shards
         super()._route(i, tr, now)
-        x = RequestView(tr.prompt_tokens + ROLE_MARKER_TOKENS, tr.output_tokens, self.slo.ttft_s, self.slo.tpot_s)
+        x = self.request_view(tr)
         a = self.assumptions[shard]
         c = self._cols
         b = np.nan_to_num(c.busy[c.training.astype(bool)])

@@ -194,9 +194,13 @@ class World(FederationRounds):
         return True
 
     # ------------------------------------------------------------------ requests
+    def request_view(self, tr: TraceRequest) -> RequestView:
+        """The request as the router sees it: the chat message's tokens (with the role markers) and its SLO."""
+        return RequestView(tr.prompt_tokens + ROLE_MARKER_TOKENS, tr.output_tokens, self.slo.ttft_s, self.slo.tpot_s)
+
     def _route(self, i: int, tr: TraceRequest, now: float) -> None:
         cfg = self.cfg
-        x = RequestView(tr.prompt_tokens + ROLE_MARKER_TOKENS, tr.output_tokens, self.slo.ttft_s, self.slo.tpot_s)
+        x = self.request_view(tr)
         shard = self.counter % self.shards
         c = self._columns(now, shard)
         policy = routing_policy(self.policy, cfg.router.pack_gate, self.admissions[shard], now,  # as collm-router
