@@ -35,10 +35,11 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--alpha", type=float, default=16.0)
     a = ap.parse_args()
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     try:
         trained = {k: v.float() for k, v in load_file(str(a.checkpoint)).items()}
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
         print(f"adapter_values: checkpoint: cannot read {a.checkpoint} ({e})", file=sys.stderr)
         return 2
     torch.set_num_threads(1)

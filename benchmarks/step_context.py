@@ -16,6 +16,7 @@ Decode steps only (no prefill rows); medians; groups with fewer than 20 steps ar
 from __future__ import annotations
 
 import argparse
+import bisect
 import statistics
 import sys
 from collections import defaultdict
@@ -56,10 +57,44 @@ def by_version(events: list[dict]) -> dict[tuple[str, str], list[float]]:
     return out
 
 
+def _intervals(events: list[dict]) -> tuple[list[float], list[tuple[float, float, str]]]:
+    iv = sorted((e["t"], e["t"] + e["s"], "serving" if e["ev"] == "step" else "background")
+                for e in events if e.get("ev") in ("step", "unit"))
+    return [x[0] for x in iv], iv
+
+
+def around_version(events: list[dict], neighbour: list[dict] | None, seconds: float) -> dict[tuple[str, str, str], list[float]]:
+    """Decode step seconds within `seconds` before and after the replica's first federated version, by
+    (batch, before / after, what the neighbour replica was doing at the step's midpoint: idle, serving or
+    background work; "none" without a neighbour). Both sides then fall in the same load point (a point is
+    longer than the first round), so the load is the same on either side of the version."""
+    first = min((e["t"] + e["s"] for e in events if e.get("ev") == "publish"
+                 and isinstance(e.get("version"), int) and e["version"] >= 1), default=None)
+    out: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    if first is None:
+        return out
+    starts, iv = _intervals(neighbour) if neighbour is not None else ([], [])
+    for e in events:
+        if e.get("ev") != "step" or e.get("pf") or not e.get("dec") or abs(e["t"] - first) > seconds:
+            continue
+        state = "none"
+        if neighbour is not None:
+            mid = e["t"] + e["s"] / 2
+            i = bisect.bisect_right(starts, mid) - 1
+            state = iv[i][2] if i >= 0 and iv[i][1] > mid else "idle"
+        out[(_batch(e["dec"]), "before" if e["t"] < first else "after", state)].append(e["s"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", type=Path, help="a collm-bench output folder with timelines")
+    ap.add_argument("--around", type=float, default=40.0,
+                    help="seconds either side of the first federated version for the same-load view (default 40)")
     args = ap.parse_args(argv)
+    if not args.around > 0:
+        print(f"step_context: --around must be a positive number of seconds, got {args.around}", file=sys.stderr)
+        return 2
     folders = sorted(d for d in args.run.iterdir() if d.is_dir() and list(d.glob("timeline-*.jsonl"))) \
         if args.run.is_dir() else []
     if not folders:
@@ -68,12 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     for d in folders:
         before: dict = defaultdict(list)
         version: dict = defaultdict(list)
-        for p in sorted(d.glob("timeline-*.jsonl")):
-            events = read_timeline(p)
+        around: dict = defaultdict(list)
+        timelines = {p: read_timeline(p) for p in sorted(d.glob("timeline-*.jsonl"))}
+        for p, events in timelines.items():
             for k, v in after_what(events).items():
                 before[k] += v
             for k, v in by_version(events).items():
                 version[k] += v
+            others = [e for q, e in timelines.items() if q != p]
+            for k, v in around_version(events, others[0] if len(others) == 1 else None, args.around).items():
+                around[k] += v
         print(f"{d.name}: decode step ms (median, n) by what ran before it on the same replica, and x after a step")
         for b in BATCHES:
             base = before.get((b, "step"), [])
@@ -89,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
             if len(a) >= MIN_N and len(z) >= MIN_N:
                 print(f"  {b:>3} rows: {1000 * statistics.median(a):.1f} (n={len(a)}) / "
                       f"{1000 * statistics.median(z):.1f} (n={len(z)}) x{statistics.median(z) / statistics.median(a):.3f}")
+        print(f"{d.name}: the same within {args.around:g} s of it (the same load point), by the neighbour's state")
+        for b in BATCHES:
+            for state in ("idle", "serving", "background", "none"):
+                a, z = around.get((b, "before", state), []), around.get((b, "after", state), [])
+                if len(a) >= MIN_N // 2 and len(z) >= MIN_N // 2:
+                    print(f"  {b:>3} rows, neighbour {state}: {1000 * statistics.median(a):.1f} (n={len(a)}) / "
+                          f"{1000 * statistics.median(z):.1f} (n={len(z)}) x{statistics.median(z) / statistics.median(a):.3f}")
     return 0
 
 

@@ -398,7 +398,7 @@ def test_step_context_groups_decode_steps_by_what_ran_before_and_by_the_served_v
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from step_context import after_what, by_version, main
+    from step_context import after_what, around_version, by_version, main
 
     def step(t, s, dec=2, pf=0):
         return {"ev": "step", "t": t, "s": s, "dec": dec, "pf": pf, "att": 100, "run": dec, "wait": 0}
@@ -418,8 +418,38 @@ def test_step_context_groups_decode_steps_by_what_ran_before_and_by_the_served_v
                                         ("5-8", "idle gap"): [0.6]}
     assert dict(by_version(events)) == {("2", "before"): [0.1, 0.2, 0.3, 0.4], ("1", "before"): [0.5],
                                         ("5-8", "after"): [0.6]}
+    # the same-load view: steps within `seconds` of version 1 (published at 4.01), by the neighbour's state
+    neighbour = [step(1.05, 0.1),                                                # serving around t 1.05-1.15
+                 {"ev": "unit", "t": 4.0, "s": 0.5, "job": "train", "unit": "forward", "tok": 64, "why": "idle"}]
+    assert dict(around_version(events, neighbour, 3.5)) == {
+        ("2", "before", "serving"): [0.1], ("2", "before", "idle"): [0.2, 0.3, 0.4], ("1", "before", "idle"): [0.5],
+        ("5-8", "after", "background"): [0.6]}
+    assert ("2", "before", "serving") not in around_version(events, neighbour, 2.0)  # 3 s before: outside
+    assert dict(around_version(events, None, 3.5))[("5-8", "after", "none")] == [0.6]
+    assert around_version(events[:2], neighbour, 3.5) == {}  # no federated version: nothing to split
     (tmp_path / "collm").mkdir()
     (tmp_path / "collm" / "timeline-e0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "collm" / "timeline-e1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in neighbour))
     assert main([str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main([str(tmp_path), "--around", "0"]) == 2
+    assert "--around must be a positive" in capsys.readouterr().err
     assert main([str(tmp_path / "collm")]) == 2
     assert "no mode folder with timeline" in capsys.readouterr().err
+
+
+def test_version_steps_refuses_a_bad_plan_and_an_unreadable_checkpoint_before_loading_the_model(tmp_path, capsys):
+    """benchmarks/version_steps.py: an unknown --plan action and a checkpoint that is not a safetensors file are
+    one-line errors naming the option, before minutes go into loading SmolLM2."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from version_steps import main
+
+    bad = tmp_path / "adapter_model.safetensors"
+    bad.write_text("not a safetensors file")
+    assert main([str(bad), "--plan", "serve,swap"]) == 2
+    assert "--plan: unknown action(s) ['swap']" in capsys.readouterr().err
+    assert main([str(bad), "--plan", "serve,train:once,serve"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("version_steps: checkpoint: cannot read") and err.count("\n") == 1
