@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 from pathlib import Path
 
@@ -57,9 +58,8 @@ class Probe(World):
         x = self.request_view(tr)
         a = self.assumptions[shard]
         c = self._cols
-        b = np.nan_to_num(c.busy[c.training.astype(bool)])
-        spare = np.nan_to_num(c.spare[c.training.astype(bool)])
-        self.stretch.setdefault(self._point, []).extend(zip(1 + b / np.maximum(1 - spare, 0.05), b))
+        on = c.training.astype(bool)  # the router's own g (fleet.stretch) of each training edge, and its b
+        self.stretch.setdefault(self._point, []).extend(zip(fleet.stretch(c)[on], np.nan_to_num(c.busy[on])))
         self.estimates[(self._point, i)] = [float(np.nanmin(fleet.estimates(v(self._cols), x, a)["ttft"]))
                                             for v in VARIANTS.values()]
 
@@ -112,8 +112,8 @@ def main() -> None:
                 if q else "TTFT / estimate -"
             print(f"    {name:>10}: {est};  admitted: {got}")
         gb = stretch.get(i, [])
-        if gb:
-            g = [v for v, _ in gb]
+        g = [v for v, _ in gb if math.isfinite(v)]  # an edge whose columns came back NaN has no g
+        if g:
             print(f"    training edges seen: g p50 {percentile(g, 0.5):.2f}, max {max(g):.2f}; "
                   f"b mean {statistics.fmean(b for _, b in gb):.3f}")
 

@@ -8,7 +8,8 @@
 * by what ran just before the step on the same replica (another serving step, a training or evaluation
   unit, or an idle gap over 50 ms), per decode batch (1, 2, 3, 4, 5-8 rows), against the steps after a step;
 * by the federated version the replica served (before its first federated publish, or after it; the edge's
-  own adapter publishes do not count), per decode batch.
+  own adapter publishes do not count), per decode batch; and, with the load held (`--around`: within that
+  many seconds of the version, one load point) and the neighbour's state held (`interference.Busy`).
 
 Decode steps only (no prefill rows); medians; groups with fewer than 20 steps are left out.
 """
@@ -16,13 +17,15 @@ Decode steps only (no prefill rows); medians; groups with fewer than 20 steps ar
 from __future__ import annotations
 
 import argparse
-import bisect
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 from collm.edge_client.engine.timeline import read_timeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interference import Busy  # noqa: E402  (the neighbour's state, as interference.py reads it)
 
 MIN_N = 20
 BATCHES = ("1", "2", "3", "4", "5-8")  # decode rows: 1-4 each (the few-row kernels differ by row count), then the rest
@@ -57,32 +60,23 @@ def by_version(events: list[dict]) -> dict[tuple[str, str], list[float]]:
     return out
 
 
-def _intervals(events: list[dict]) -> tuple[list[float], list[tuple[float, float, str]]]:
-    iv = sorted((e["t"], e["t"] + e["s"], "serving" if e["ev"] == "step" else "background")
-                for e in events if e.get("ev") in ("step", "unit"))
-    return [x[0] for x in iv], iv
-
-
-def around_version(events: list[dict], neighbour: list[dict] | None, seconds: float) -> dict[tuple[str, str, str], list[float]]:
+def around_version(events: list[dict], neighbour: Busy | None, seconds: float) -> dict[tuple[str, str, str], list[float]]:
     """Decode step seconds within `seconds` before and after the replica's first federated version, by
-    (batch, before / after, what the neighbour replica was doing at the step's midpoint: idle, serving or
-    background work; "none" without a neighbour). Both sides then fall in the same load point (a point is
-    longer than the first round), so the load is the same on either side of the version."""
+    (batch, before / after, what the neighbour replica did during the step, as `interference.Busy.state`
+    reads it: idle, serve or background; steps beside a mix are left out; "none" without a neighbour).
+    Both sides then fall in the same load point (a point is longer than the first round), so the load is
+    the same on either side of the version."""
     first = min((e["t"] + e["s"] for e in events if e.get("ev") == "publish"
                  and isinstance(e.get("version"), int) and e["version"] >= 1), default=None)
     out: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     if first is None:
         return out
-    starts, iv = _intervals(neighbour) if neighbour is not None else ([], [])
     for e in events:
         if e.get("ev") != "step" or e.get("pf") or not e.get("dec") or abs(e["t"] - first) > seconds:
             continue
-        state = "none"
-        if neighbour is not None:
-            mid = e["t"] + e["s"] / 2
-            i = bisect.bisect_right(starts, mid) - 1
-            state = iv[i][2] if i >= 0 and iv[i][1] > mid else "idle"
-        out[(_batch(e["dec"]), "before" if e["t"] < first else "after", state)].append(e["s"])
+        state = "none" if neighbour is None else neighbour.state(e["t"], e["t"] + e["s"])
+        if state is not None:
+            out[(_batch(e["dec"]), "before" if e["t"] < first else "after", state)].append(e["s"])
     return out
 
 
@@ -110,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 before[k] += v
             for k, v in by_version(events).items():
                 version[k] += v
-            others = [e for q, e in timelines.items() if q != p]
+            others = [Busy(e) for q, e in timelines.items() if q != p]
             for k, v in around_version(events, others[0] if len(others) == 1 else None, args.around).items():
                 around[k] += v
         print(f"{d.name}: decode step ms (median, n) by what ran before it on the same replica, and x after a step")
@@ -130,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{1000 * statistics.median(z):.1f} (n={len(z)}) x{statistics.median(z) / statistics.median(a):.3f}")
         print(f"{d.name}: the same within {args.around:g} s of it (the same load point), by the neighbour's state")
         for b in BATCHES:
-            for state in ("idle", "serving", "background", "none"):
+            for state in ("idle", "serve", "background", "none"):
                 a, z = around.get((b, "before", state), []), around.get((b, "after", state), [])
                 if len(a) >= MIN_N // 2 and len(z) >= MIN_N // 2:
                     print(f"  {b:>3} rows, neighbour {state}: {1000 * statistics.median(a):.1f} (n={len(a)}) / "

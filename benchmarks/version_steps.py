@@ -2,9 +2,10 @@
 
     python benchmarks/version_steps.py CHECKPOINT      # a collm checkpoint's adapter_model.safetensors
 
-In the bench's collm runs, decode steps of 2-3 rows were 1.07-1.19x slower after the edge's first federated
-version than before it at the same load point and the same training share (`benchmarks/step_context.py`),
-and the isolated serving replica showed no such change. `benchmarks/adapter_values.py` found the adapter's
+In the steady unseen run, collm's decode steps of 2-4 rows were 1.04-1.11x slower after the edge's first
+federated version than before it, at the same load point and beside a training neighbour both times
+(`benchmarks/step_context.py --around 40`); the isolated serving replica there showed none (0.96-1.05x), in
+the burst run it did too (1.03-1.11x). `benchmarks/adapter_values.py` found the adapter's
 values cost nothing on a bare ModelRunner. This runs the real Engine (SmolLM2, fp32, one thread on one core)
 under a closed loop of exactly N requests (N = 2, 3 and 8 in turn; the engine's timeline gives each decode
 step's time) and between measured phases does what a collm edge does in its rounds, one action at a time
@@ -17,8 +18,8 @@ in a round. Medians per phase and row count, and their ratio to the first phase.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"version_steps: checkpoint: cannot read {a.checkpoint} ({e})", file=sys.stderr)
         return 2
     from collm.edge_client.engine import Engine
+    from collm.edge_client.engine.timeline import read_timeline
     from collm.edge_client.model.loading import load_model
     from collm.edge_client.training.data import load_edge_data
     from collm.edge_client.training.jobs import TrainBudget
@@ -141,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"[version-steps] measured after: {phases[-1][0]} ({threads} threads in this process)")
     finally:
         eng.stop(10)
-    steps = [json.loads(line) for line in open(tl)]
-    steps = [e for e in steps if e.get("ev") == "step" and not e.get("pf") and e.get("dec")]
+    steps = [e for e in read_timeline(tl) if e.get("ev") == "step" and not e.get("pf") and e.get("dec")]
+    shutil.rmtree(tl.parent, ignore_errors=True)
     base: dict[int, float] = {}
     print("served after                " + "  ".join(f"{n} rows ms (x first, n)".rjust(26) for n in ROWS))
     for label, spans in phases:

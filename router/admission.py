@@ -28,7 +28,7 @@ the lateness a queue causes, and an edge that sheds produces no first token to s
 router itself refused teach it nothing, so a router that refuses everything cannot talk itself looser;
 an idle router keeps the margin it had. The slack is measured even with a fixed margin: it is also what
 opens and closes slo_pack's gathering (routing.pack_gate, `policy.policy_now`). Pure and clock-free:
-collm-router and collm-sim feed it the same observations and read `margin`.
+collm-router and collm-sim feed it the same observations and judge by what `update` returns.
 
 With `estimate_correction`, the estimate itself is also corrected from the same first tokens: the router knows
 each admitted request's estimate, so TTFT / estimate over the recent ones whose estimate was at least

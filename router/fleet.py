@@ -92,6 +92,12 @@ def _or(values: np.ndarray, default: float) -> np.ndarray:
     return np.where(np.isnan(values) | (values == 0), default, values)
 
 
+def stretch(c) -> np.ndarray:
+    """g per edge: wall seconds per serving second under co-scheduled training, 1 + b / max(1 - sigma, 0.05)
+    where training is active, else 1 (`policy.estimate`'s g)."""
+    return np.where(c.training, 1.0 + c.busy / np.maximum(1.0 - c.spare, 0.05), 1.0)
+
+
 def estimates(c: Columns, x: RequestView, a: Assumptions = Assumptions()) -> dict[str, np.ndarray]:
     """`policy.estimate` for every row: n, ttft, tpot, T, P and slack arrays (same operations, same
     order, so the floats are the scalar rule's to the last bit)."""
@@ -113,7 +119,7 @@ def estimates(c: Columns, x: RequestView, a: Assumptions = Assumptions()) -> dic
     chunk = np.maximum(1.0, B - k)
     f = np.minimum(p, chunk)
     t_pf = step_seconds(coef, k, f, k * ctx + f)
-    g = np.where(c.training, 1.0 + c.busy / np.maximum(1.0 - c.spare, 0.05), 1.0)
+    g = stretch(c)
     departure = a.typical_output_tokens * t_dec(M) * g / M
     with np.errstate(divide="ignore"):
         serving = np.maximum(1.0 - c.spare, 0.05) if a.drain_per_serving_s else 1.0

@@ -393,11 +393,13 @@ def test_step_context_groups_decode_steps_by_what_ran_before_and_by_the_served_v
     """benchmarks/step_context.py: a decode step is filed under what ended just before it on the same replica
     (a step, a unit by job and kind, or an idle gap over 50 ms) and under before / after the replica's first
     federated publish (its own adapter's publishes, version "local", and the initial version 0 do not count);
-    prefill steps are left out. A folder without timelines is a one-line error."""
+    prefill steps are left out; `--around` files the steps near that publish by the neighbour's state as
+    interference.Busy reads it. A folder without timelines, or a non-positive --around, is a one-line error."""
     import json
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from interference import Busy
     from step_context import after_what, around_version, by_version, main
 
     def step(t, s, dec=2, pf=0):
@@ -418,18 +420,19 @@ def test_step_context_groups_decode_steps_by_what_ran_before_and_by_the_served_v
                                         ("5-8", "idle gap"): [0.6]}
     assert dict(by_version(events)) == {("2", "before"): [0.1, 0.2, 0.3, 0.4], ("1", "before"): [0.5],
                                         ("5-8", "after"): [0.6]}
-    # the same-load view: steps within `seconds` of version 1 (published at 4.01), by the neighbour's state
-    neighbour = [step(1.05, 0.1),                                                # serving around t 1.05-1.15
-                 {"ev": "unit", "t": 4.0, "s": 0.5, "job": "train", "unit": "forward", "tok": 64, "why": "idle"}]
+    # the same-load view: steps within `seconds` of version 1 (published at 4.01), by what the neighbour did
+    # during the step (interference.Busy: serving or background for 90% of it, idle under 5%, else left out)
+    neighbour = Busy([step(0.99, 0.13),                                           # covers 1.0-1.1, 10% of 1.1-1.3
+                      {"ev": "unit", "t": 4.0, "s": 0.8, "job": "train", "unit": "forward", "tok": 64, "why": "idle"}])
     assert dict(around_version(events, neighbour, 3.5)) == {
-        ("2", "before", "serving"): [0.1], ("2", "before", "idle"): [0.2, 0.3, 0.4], ("1", "before", "idle"): [0.5],
-        ("5-8", "after", "background"): [0.6]}
-    assert ("2", "before", "serving") not in around_version(events, neighbour, 2.0)  # 3 s before: outside
+        ("2", "before", "serve"): [0.1], ("2", "before", "idle"): [0.3, 0.4], ("1", "before", "idle"): [0.5],
+        ("5-8", "after", "background"): [0.6]}  # the step beside a mix (0.2) is left out
+    assert ("2", "before", "serve") not in around_version(events, neighbour, 2.0)  # 3 s before: outside
     assert dict(around_version(events, None, 3.5))[("5-8", "after", "none")] == [0.6]
     assert around_version(events[:2], neighbour, 3.5) == {}  # no federated version: nothing to split
     (tmp_path / "collm").mkdir()
     (tmp_path / "collm" / "timeline-e0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (tmp_path / "collm" / "timeline-e1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in neighbour))
+    (tmp_path / "collm" / "timeline-e1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events[1:3]))
     assert main([str(tmp_path)]) == 0
     capsys.readouterr()
     assert main([str(tmp_path), "--around", "0"]) == 2

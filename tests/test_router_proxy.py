@@ -362,7 +362,8 @@ def test_the_estimate_correction_learns_from_the_estimates_it_routed_on_and_admi
     """routing.admission_feedback.estimate_correction over real HTTP, with a fixed margin of 1: the fake edges'
     queues make every estimate seconds long while their first tokens come at once, so once a few streamed and
     unstreamed answers have come back the router multiplies its estimates by correction_min and admits a
-    request whose estimate is 1.5x its target, as it refused before; /health shows the correction."""
+    request whose estimate is 1.5x its target, as it refused before; /health shows the correction and the
+    admission-margin gauge the margin it now judges by."""
     a, b = fakes
     r = LiveRouter(router_config([(e.name, e.url) for e in fakes], routing={
         "seed": 0, "admission_margin_max": None,
@@ -388,6 +389,8 @@ def test_the_estimate_correction_learns_from_the_estimates_it_routed_on_and_admi
         assert ok.status_code == 200, ok.text
         assert r.router.admission.correction == 0.5 and r.router.admission.margin == 1.0  # the estimate corrected
         assert httpx.get(r.url + "/health").json()["estimate_correction"] == 0.5
+        # the gauge says what admission judges by: the margin over the correction
+        assert "collm_router_admission_margin 2.0" in httpx.get(r.url + "/metrics").text
     finally:
         r.close()
 
