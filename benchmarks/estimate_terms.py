@@ -5,9 +5,8 @@
 collm only, at `--fractions` x the capacity searched per seed (as sim_variants.py does). For every
 request the simulated router routes, the soonest-edge TTFT estimate is recomputed on the same snapshot with one
 term switched off at a time, by the rule's own code (`router.fleet.estimates` on the columns it routed by):
-`g = 1` (no stretch for training beside serving), `no guard` (the finish-rate guard on the wait term off,
-leaving the cost model's departures) and `occupancy` (the guard scaled to a full batch, routing.drain_rate:
-occupancy; as routed where the run already routes so). Printed per load point, over the seeds: the refused requests' estimates
+`g = 1` (no stretch for training beside serving) and `no guard` (the finish-rate guard on the wait term off,
+leaving the cost model's departures). Printed per load point, over the seeds: the refused requests' estimates
 (median) and how many each variant would still refuse, and for the admitted requests whose routed estimate
 was at least `--above` seconds, the simulated TTFT over each variant's estimate (median [10th, 90th
 percentile]). 1 is a true estimate; the real run's `estimate_report.py` gives the routed one's. Last, the stretch
@@ -33,11 +32,10 @@ from collm.sim.profile import load_profile
 from collm.sim.run import capacity, load_requests
 from collm.sim.world import World, fleet_profiles
 
-VARIANTS = {  # (columns, assumptions) -> the same with one term changed
-    "as routed": lambda c, a: (c, a),
-    "g = 1": lambda c, a: (dataclasses.replace(c, training=np.zeros_like(c.training)), a),
-    "no guard": lambda c, a: (dataclasses.replace(c, finish_rate=np.zeros_like(c.finish_rate)), a),
-    "occupancy": lambda c, a: (c, dataclasses.replace(a, drain_occupancy=True)),
+VARIANTS = {
+    "as routed": lambda c: c,
+    "g = 1": lambda c: dataclasses.replace(c, training=np.zeros_like(c.training)),
+    "no guard": lambda c: dataclasses.replace(c, finish_rate=np.zeros_like(c.finish_rate)),
 }
 
 
@@ -62,8 +60,8 @@ class Probe(World):
         c = self._cols
         on = c.training.astype(bool)  # the router's own g (fleet.stretch) of each training edge, and its b
         self.stretch.setdefault(self._point, []).extend(zip(fleet.stretch(c)[on], np.nan_to_num(c.busy[on])))
-        self.estimates[(self._point, i)] = [float(np.nanmin(fleet.estimates(cv, x, av)["ttft"]))
-                                            for cv, av in (v(self._cols, a) for v in VARIANTS.values())]
+        self.estimates[(self._point, i)] = [float(np.nanmin(fleet.estimates(v(self._cols), x, a)["ttft"]))
+                                            for v in VARIANTS.values()]
 
 
 def main() -> None:

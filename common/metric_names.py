@@ -17,7 +17,6 @@ QUEUE_DEPTH = "collm_queue_depth"
 RUNNING = "collm_running_requests"
 MAX_RUNNING = "collm_max_running_requests"
 BATCH_SIZE = "collm_batch_size_mean"
-BATCH_TIME_MEAN = "collm_batch_size_time_mean"  # weighted by each step's time (routing.drain_rate: occupancy)
 SPARE_CAPACITY = "collm_spare_capacity"
 TRAINING_BUSY = "collm_training_busy_fraction"
 TRAINING_BESIDE_SERVING = "collm_training_beside_serving_fraction"

@@ -150,11 +150,10 @@ class RoutingConfig(Strict):
         "once when they come late; router/admission.py; same-run A/B in docs/benchmarks.md: a tie on the steady "
         "trace at 0.8-1.5 x C, 1.03x goodput under bursts); null or equal: a fixed margin")
     admission_feedback: AdmissionFeedback = AdmissionFeedback()
-    drain_rate: Literal["serving", "window", "occupancy"] = Field(
+    drain_rate: Literal["serving", "window"] = Field(
         "serving", description="how the wait estimate reads an edge's finished requests per second: per second "
         "it spent serving (serving), or over its whole window (window, the rule before 2026-12-06: after a calm "
-        "stretch it put a burst's wait at 2-2.5x the TTFT that followed), or per second serving and scaled from "
-        "the edge's mean batch to a full one by Little's law (occupancy; router/policy.py)")
+        "stretch it put a burst's wait at 2-2.5x the TTFT that followed)")
     chars_per_token: float = Field(4.0, gt=0, description="prompt size estimate: characters per token")
     typical_output_tokens: int = Field(64, ge=1, description="prior of the output length of running requests "
                                                              "(then a moving average of what the edges returned)")
@@ -183,8 +182,7 @@ class RoutingConfig(Strict):
                                         else typical_output_tokens),
             tie_margin=self.tie_margin, comfort=self.comfort, pack_slack=self.pack_slack,
             pack_spare=self.pack_spare, pack_newest=self.pack_newest, pack_free_slot=self.pack_free_slot,
-            probe_after_s=self.probe_after_s, drain_per_serving_s=self.drain_rate != "window",
-            drain_occupancy=self.drain_rate == "occupancy")
+            probe_after_s=self.probe_after_s, drain_per_serving_s=self.drain_rate == "serving")
 
 
 class ProxyConfig(Strict):

@@ -77,7 +77,6 @@ class Columns:
     safety: np.ndarray
     share: np.ndarray  # training_share: the p2c tie-break after load
     version: np.ndarray  # adapter_version: slo_pack's first key with pack_newest (NaN: unknown)
-    occupancy: np.ndarray  # batch_time_mean: kbar of drain_rate occupancy (NaN: not exported)
 
 
 def columns_from_views(views: list[EdgeView]) -> Columns:
@@ -97,18 +96,6 @@ def stretch(c) -> np.ndarray:
     """g per edge: wall seconds per serving second under co-scheduled training, 1 + b / max(1 - sigma, 0.05)
     where training is active, else 1 (`policy.estimate`'s g)."""
     return np.where(c.training, 1.0 + c.busy / np.maximum(1.0 - c.spare, 0.05), 1.0)
-
-
-def occupancy_scale(c: Columns, M: np.ndarray, t_dec, a: Assumptions) -> np.ndarray | float:
-    """`policy.occupancy_scale` per row: (kbar/M) * t_dec(M)/t_dec(kbar), kbar clipped to [1, M]; 1 where off
-    or unknown."""
-    if not a.drain_occupancy:
-        return 1.0
-    k = np.minimum(np.maximum(c.occupancy, 1.0), M)
-    full, at_k = t_dec(M), t_dec(k)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.where(at_k > 0, k / M * full / at_k, np.nan)
-    return np.where((c.occupancy > 0) & (scale > 0), np.minimum(scale, 1.0), 1.0)
 
 
 def estimates(c: Columns, x: RequestView, a: Assumptions = Assumptions()) -> dict[str, np.ndarray]:
@@ -136,9 +123,7 @@ def estimates(c: Columns, x: RequestView, a: Assumptions = Assumptions()) -> dic
     departure = a.typical_output_tokens * t_dec(M) * g / M
     with np.errstate(divide="ignore"):
         serving = np.maximum(1.0 - c.spare, 0.05) if a.drain_per_serving_s else 1.0
-        departure = np.where(c.finish_rate > 0,
-                             np.maximum(departure, serving / c.finish_rate * occupancy_scale(c, M, t_dec, a)),
-                             departure)
+        departure = np.where(c.finish_rate > 0, np.maximum(departure, serving / c.finish_rate), departure)
     wait = np.where(n >= M, (w + 1) * departure, 0.0)
     ttft = wait + t_pf + (np.ceil(p / chunk) - 1) * t_pf * g
     T = np.full(len(n), x.ttft_target_s) if x.ttft_target_s else c.ttft_target

@@ -36,15 +36,7 @@ targets (`collm_slo_ttft_seconds`, `collm_slo_tpot_seconds`) -- estimate on ever
                                              keeps that reading). sigma counts training beside serving
                                              and the loop's own time between steps as spare, so on
                                              such an edge this guard is the weaker and the cost
-                                             model's term (stretched by g) the one that binds.
-                                             routing.drain_rate: occupancy scales that guard by
-                                             (kbar/M) * t_dec(M)/t_dec(kbar) (kbar: requests in the
-                                             batch per serving second, collm_batch_size_time_mean,
-                                             clipped to [1, M]): by Little's law a request holds its
-                                             slot kbar*(1 - sigma)/lam seconds, and a full batch frees
-                                             one of M slots every that long over M, each step
-                                             t_dec(M)/t_dec(kbar) as long; a calm window's one- or
-                                             two-row batches no longer read as a full batch's drain
+                                             model's term (stretched by g) the one that binds
     TTFT^ = wait + t_pf + (ceil(p / (B - k)) - 1) * t_pf * g
                                              an arrival preempts training, so only later chunks stretch
     TPOT^ = min(t_dec(k+1) * g, max(t_dec(k+1), s*P))
@@ -131,7 +123,6 @@ class EdgeView:
     slo_safety: float | None = None  # s as the edge exports it (None: Assumptions' value)
     training_share: float = 0.0  # fraction of the window spent training, idle time included (a tie-break)
     adapter_version: float | None = None  # the global adapter version it serves (None: unknown; slo_pack's pack_newest)
-    batch_time_mean: float | None = None  # kbar: requests in the batch per serving second (None: not exported)
 
 
 # The rule's input, declared once. Each column of `fleet.Columns` and the EdgeView field it holds (a
@@ -141,12 +132,12 @@ COLUMN_FIELDS = {"outstanding_at": "outstanding_at", "queue": "queue_depth", "ru
                  "max_running": "max_running", "ttft_target": "ttft_target_s", "tpot_target": "tpot_target_s",
                  "training": "training_active", "busy": "training_busy", "spare": "spare_capacity",
                  "finish_rate": "finish_rate", "budget": "step_token_budget", "safety": "slo_safety",
-                 "share": "training_share", "version": "adapter_version", "occupancy": "batch_time_mean"}
+                 "share": "training_share", "version": "adapter_version"}
 # What a scrape says about the edge's load at the time: a stale scrape drops these (the router then
 # counts only its own requests in flight there) and keeps the rest, the edge's limits and costs. The
 # served version goes with them: an edge whose scrapes stopped must not draw the gathered load by it.
 LOAD_FIELDS = ("outstanding_at", "queue_depth", "running", "training_active", "training_busy", "spare_capacity",
-               "finish_rate", "training_share", "adapter_version", "batch_time_mean")
+               "finish_rate", "training_share", "adapter_version")
 
 
 @dataclass(frozen=True)
@@ -173,7 +164,6 @@ class Assumptions:
     pack_free_slot: bool = True  # ... and only onto an edge where x runs at once (n < M), never into its queue
     probe_after_s: float = float("inf")
     drain_per_serving_s: bool = True  # the finish-rate guard per second spent serving (False: over the whole window)
-    drain_occupancy: bool = False  # ... and scaled from the edge's mean batch to a full one (drain_rate: occupancy)
 
 
 @dataclass(frozen=True)
@@ -229,18 +219,6 @@ def edge_load(e: EdgeView) -> float:
     return max(float(e.outstanding), e.queue_depth + e.running + e.outstanding - e.outstanding_at)
 
 
-def occupancy_scale(kbar: float | None, M: float, t_dec: Callable[[float], float], a: Assumptions) -> float:
-    """The finish-rate guard's factor from the edge's mean batch kbar to a full one, (kbar/M) * t_dec(M)/t_dec(kbar)
-    with kbar clipped to [1, M] (at most 1: a step's cost grows less than in proportion to its rows); 1 without
-    drain_occupancy, an exported kbar or a positive step cost."""
-    if not a.drain_occupancy or kbar is None or not kbar > 0:
-        return 1.0
-    k = min(max(kbar, 1.0), M)
-    full, at_k = t_dec(M), t_dec(k)
-    scale = k / M * full / at_k if at_k > 0 else math.nan
-    return min(scale, 1.0) if scale > 0 else 1.0  # a cost model without a positive step says nothing here
-
-
 def estimate(e: EdgeView, x: RequestView, a: Assumptions = Assumptions()) -> Estimate:
     """TTFT^ and TPOT^ of request x on edge e (the formulas of the module docstring)."""
     M = max(1.0, float(e.max_running))
@@ -261,7 +239,7 @@ def estimate(e: EdgeView, x: RequestView, a: Assumptions = Assumptions()) -> Est
     departure = a.typical_output_tokens * t_dec(M) * g / M
     if e.finish_rate > 0:
         serving = max(1.0 - e.spare_capacity, 0.05) if a.drain_per_serving_s else 1.0
-        departure = max(departure, serving / e.finish_rate * occupancy_scale(e.batch_time_mean, M, t_dec, a))
+        departure = max(departure, serving / e.finish_rate)
     wait = (w + 1) * departure if n >= M else 0.0
     ttft = wait + t_pf + (math.ceil(p / chunk) - 1) * t_pf * g
     T = x.ttft_target_s or e.ttft_target_s

@@ -51,7 +51,6 @@ class Scrape:
     slo_safety: float | None
     training_share: float = 0.0  # all training over the window, idle time included (a tie-break)
     adapter_version: float | None = None  # the global version it serves (routing.pack_newest); NaN: not exported
-    batch_time_mean: float | None = None  # kbar (routing.drain_rate: occupancy); None: not exported
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -90,8 +89,7 @@ def scrape_from_metrics(text: str, at: float, outstanding_at: int) -> Scrape:
         else num(M.TRAINING_BUSY, 0.0),
         spare_capacity=num(M.SPARE_CAPACITY, 1.0), finish_rate=num(M.REQUEST_RATE, 0.0),
         step_token_budget=s.get(M.STEP_TOKEN_BUDGET), slo_safety=s.get(M.SLO_SAFETY),
-        training_share=num(M.TRAINING_BUSY, 0.0), adapter_version=num(M.ADAPTER_VERSION, math.nan),
-        batch_time_mean=num(M.BATCH_TIME_MEAN, math.nan))
+        training_share=num(M.TRAINING_BUSY, 0.0), adapter_version=num(M.ADAPTER_VERSION, math.nan))
 
 
 MIRRORED = ("healthy", "cooldown_until", "outstanding", "last_sent", "scrape")

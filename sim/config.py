@@ -102,8 +102,7 @@ class RouterSim(Strict):
     pack_free_slot: bool = Field(_ROUTING.pack_free_slot, description="routing.pack_free_slot (slo_pack)")
     pack_gate: float | None = Field(_ROUTING.pack_gate, ge=-1, lt=1, allow_inf_nan=False,
                                     description="routing.pack_gate (slo_pack)")
-    drain_rate: Literal["serving", "window", "occupancy"] = Field(_ROUTING.drain_rate,
-                                                               description="routing.drain_rate")
+    drain_rate: Literal["serving", "window"] = Field(_ROUTING.drain_rate, description="routing.drain_rate")
 
     @model_validator(mode="after")
     def _margins(self) -> RouterSim:

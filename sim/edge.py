@@ -93,7 +93,6 @@ class SimEdge:
         self._stable_refusal = True
         # counters (cumulative; the world windows them)
         self.busy_s = 0.0         # serving steps
-        self.rows_s = 0.0         # serving steps, each times the requests in its batch (kbar's numerator)
         self.train_s = 0.0        # background units
         self.beside_s = 0.0       # background units while requests ran or waited
         self.train_tokens = 0
@@ -252,7 +251,6 @@ class SimEdge:
 
     def _served(self, end: float, seconds: float) -> None:
         self.busy_s += seconds
-        self.rows_s += seconds * len(self.core.running)
         self.core.stepped(end, seconds)
 
     def _ended(self, r: SimRequest, now: float, status: str) -> None:

@@ -310,8 +310,7 @@ class World(FederationRounds):
         beside = np.fromiter((e.beside_s for e in E), float, len(E))
         fin = np.fromiter((e.finished for e in E), float, len(E))
         met = np.fromiter((e.met for e in E), float, len(E))
-        rows = np.fromiter((e.rows_s for e in E), float, len(E))
-        self._history.append((now, busy, train, beside, fin, met, rows))
+        self._history.append((now, busy, train, beside, fin, met))
         while self._history[0][0] < now - WINDOW_S:
             self._history.popleft()
         self._tick_no += 1
@@ -331,22 +330,19 @@ class World(FederationRounds):
                 d["finish_rate"][j] = w["fin"][i] / w["span"]
                 d["share"][j] = w["train"][i] / w["span"]
                 d["version"][j] = e.version.version
-                d["occupancy"][j] = w["occupancy"][i]
                 self.scraped_at[j] = now
         self.push(now + self.cfg.router.interval_s, TICK)
 
     def window(self, now: float) -> dict:
         """Each edge's telemetry over the last WINDOW_S seconds (what its /metrics and load report say)."""
-        t0, busy0, train0, beside0, fin0, met0, rows0 = self._history[0]
-        t1, busy1, train1, beside1, fin1, met1, rows1 = self._history[-1]
+        t0, busy0, train0, beside0, fin0, met0 = self._history[0]
+        t1, busy1, train1, beside1, fin1, met1 = self._history[-1]
         span = max(min(WINDOW_S, now - t0), 1e-6)
         fin = fin1 - fin0
-        busy = busy1 - busy0
         with np.errstate(invalid="ignore", divide="ignore"):
             att = np.where(fin > 0, (met1 - met0) / fin, np.nan)
-            occupancy = np.where(busy > 0, (rows1 - rows0) / busy, 0.0)  # the edge's collm_batch_size_time_mean
-        return {"span": span, "spare": np.clip(1.0 - busy / span, 0.0, 1.0), "train": train1 - train0,
-                "beside": beside1 - beside0, "fin": fin, "attainment": att, "occupancy": occupancy}
+        return {"span": span, "spare": np.clip(1.0 - (busy1 - busy0) / span, 0.0, 1.0), "train": train1 - train0,
+                "beside": beside1 - beside0, "fin": fin, "attainment": att}
 
     def _train_tokens(self) -> int:
         return sum(e.train_tokens_at(self.now) for e in self.edges)

@@ -163,9 +163,8 @@ def test_metrics_parse_and_move_with_traffic(edge):
     assert after["collm_ttft_seconds_count"] == before.get("collm_ttft_seconds_count", 0) + 1
     for name in ("collm_queue_depth", "collm_slo_attainment", "collm_goodput_rps", "collm_spare_capacity",
                  "collm_adapter_version", "collm_batch_size_mean", "collm_training_tokens_per_second",
-                 "collm_adapter_swaps_total", "collm_batch_size_time_mean"):
+                 "collm_adapter_swaps_total"):
         assert name in after, name
-    assert after["collm_batch_size_time_mean"] >= 1  # the request ran in a batch of one at least
 
 
 def test_hot_swap_during_a_stream_keeps_its_version(edge):

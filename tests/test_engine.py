@@ -619,19 +619,3 @@ def test_a_timeline_path_that_cannot_be_opened_is_a_warning_and_the_edge_serves(
     finally:
         eng.stop()
     assert any("engine.timeline" in r.getMessage() and "writable" in r.getMessage() for r in caplog.records)
-
-
-def test_the_time_weighted_batch_weighs_each_step_by_its_seconds():
-    """collm_batch_size_time_mean: requests in the batch per second spent serving (what Little's law needs
-    for routing.drain_rate: occupancy), where collm_batch_size_mean counts steps alike."""
-    from collm.edge_client.engine.telemetry import Telemetry
-
-    t = Telemetry(window_s=60.0)
-    assert t.snapshot().batch_time_mean == 0.0  # no step: unknown to the router
-    for _ in range(3):
-        t.record_step(0.1, 1)
-    t.record_step(0.3, 8)
-    w = t.snapshot()
-    assert w.batch_mean == pytest.approx(11 / 4)
-    assert w.batch_time_mean == pytest.approx((3 * 0.1 + 0.3 * 8) / 0.6)
-

@@ -27,8 +27,7 @@ def random_view(i: int, rng: random.Random) -> EdgeView:
         finish_rate=rng.choice([0.0, rng.random() * 3]), unused_s=rng.random() * 10,
         step_token_budget=rng.choice([None, 0.0, 64.0, 512.0]), slo_safety=rng.choice([None, 0.7]),
         training_share=rng.choice([0.0, 0.3, rng.random()]),
-        adapter_version=rng.choice([None, float("nan"), float("inf"), -float("inf"), 1.0, float(rng.randint(0, 3))]),
-        batch_time_mean=rng.choice([None, float("nan"), 0.0, 0.5, 1.0 + rng.random() * 20]))
+        adapter_version=rng.choice([None, float("nan"), float("inf"), -float("inf"), 1.0, float(rng.randint(0, 3))]))
 
 
 def random_request(rng: random.Random) -> RequestView:
@@ -44,8 +43,7 @@ def test_columnar_slo_rule_decides_as_the_reference_rule(n_edges):
         views = [random_view(i, rng) for i in range(n_edges)]
         x = random_request(rng)
         a = Assumptions(probe_after_s=rng.choice([float("inf"), 5.0]), comfort=rng.choice([0.5, 2.0]),
-                        typical_output_tokens=rng.choice([16.0, 64.0]), drain_per_serving_s=rng.random() < 0.5,
-                        drain_occupancy=rng.random() < 0.5)
+                        typical_output_tokens=rng.choice([16.0, 64.0]), drain_per_serving_s=rng.random() < 0.5)
         seed = rng.random()
         pack = trial % 2 == 1  # the slo_pack variant on every other snapshot, at random thresholds
         if pack:

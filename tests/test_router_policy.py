@@ -67,38 +67,6 @@ def test_a_queue_drains_at_the_edges_finish_rate_while_it_serves_not_over_its_wh
     assert estimate(rare, X, a).ttft_s - bare == pytest.approx(5 * (0.5 - model_departure))
 
 
-def test_a_queue_drains_at_a_full_batch_not_at_the_calm_windows_batch():
-    """routing.drain_rate: occupancy. An edge that finished lam = 1 request/s in a window it spent 40% serving with
-    kbar = 2 requests in its batch held each request 2 * 0.4 / 1 = 0.8 s (Little's law); a full batch of M = 8
-    frees a slot every 0.8 / 8 s, each step t_dec(8) / t_dec(2) as long: the guard is (2/8) * t_dec(8)/t_dec(2)
-    of the serving reading. A saturated window (kbar = M) reads as before; unknown kbar: as before."""
-    c0, c1, _, c3 = COEF
-
-    def t_dec(d):
-        return c0 + c1 * d + c3 * d * 132 / 1000
-
-    serving = Assumptions(typical_output_tokens=1)  # the cost model's term out of the way: the guard binds
-    occ = replace(serving, drain_occupancy=True)
-    calm = idle("a", running=8, queue_depth=4, finish_rate=1.0, spare_capacity=0.6, batch_time_mean=2.0)
-    bare = estimate(replace(calm, finish_rate=0.0), X, serving).ttft_s  # 5 of the model's departures, t_dec(8)/8
-    m = t_dec(8) / 8
-    assert estimate(calm, X, serving).ttft_s - bare == pytest.approx(5 * (0.4 - m))
-    scale = 2 / 8 * t_dec(8) / t_dec(2)
-    assert 0.25 < scale < 1
-    assert estimate(calm, X, occ).ttft_s - bare == pytest.approx(5 * (0.4 * scale - m))
-    for same in (replace(calm, batch_time_mean=8.0), replace(calm, batch_time_mean=30.0),
-                 replace(calm, batch_time_mean=None), replace(calm, batch_time_mean=float("nan")),
-                 replace(calm, batch_time_mean=0.0)):
-        assert estimate(same, X, occ).ttft_s == pytest.approx(estimate(calm, X, serving).ttft_s), same
-    # below one request in the batch counts as one; and never below the cost model's own departures
-    assert estimate(replace(calm, batch_time_mean=0.5), X, occ).ttft_s == pytest.approx(
-        bare + 5 * (0.4 * (1 / 8) * t_dec(8) / t_dec(1) - m))
-    model = Assumptions(typical_output_tokens=64, drain_occupancy=True)
-    fast = replace(calm, finish_rate=10.0)  # guard 0.04 * scale s, under the model's 64 * t_dec(8) / 8
-    assert 0.04 * scale < 64 * t_dec(8) / 8
-    assert estimate(fast, X, model).ttft_s == pytest.approx(estimate(replace(calm, finish_rate=0.0), X, model).ttft_s)
-
-
 def test_requests_sent_since_the_scrape_count_as_load():
     # the last scrape saw an idle edge, but this router has sent it 12 requests since (none done)
     e = idle("a", outstanding=12, outstanding_at=0)
@@ -409,18 +377,3 @@ def test_learn_output_moves_l_toward_what_finished_and_ignores_nothing_learned()
     for _ in range(100):
         typical = learn_output(typical, 12)
     assert typical == pytest.approx(12.0, abs=0.01)
-
-
-def test_the_edges_time_weighted_batch_reaches_the_rule_through_a_scrape():
-    """collm_batch_size_time_mean (kbar of routing.drain_rate: occupancy) is read when exported; an edge
-    without the gauge leaves it unknown (NaN), which the rule reads as no scaling."""
-    from collm.router.state import scrape_from_metrics
-
-    s = scrape_from_metrics(_metrics(BATCH_TIME_MEAN=3.5), at=0.0, outstanding_at=0)
-    assert s.batch_time_mean == 3.5
-    older = scrape_from_metrics(_metrics(), at=0.0, outstanding_at=0)
-    assert math.isnan(older.batch_time_mean)
-    view = replace(idle("a", running=8, queue_depth=4, finish_rate=1.0, spare_capacity=0.6),
-                   batch_time_mean=older.batch_time_mean)
-    occ = Assumptions(typical_output_tokens=1, drain_occupancy=True)
-    assert estimate(view, X, occ).ttft_s == estimate(view, X, Assumptions(typical_output_tokens=1)).ttft_s

@@ -63,9 +63,6 @@ class WindowStats:
     step_p50_s: float | None
     step_p99_s: float | None
     batch_mean: float
-    # requests in the batch per second of serving (each step weighted by its time; 0: no step): with the
-    # finished requests per second, Little's law gives how long a request holds its slot (router drain_rate)
-    batch_time_mean: float
     serving_busy_frac: float
     training_busy_frac: float
     training_beside_serving_frac: float  # training units that ran while requests were running or waiting
@@ -195,7 +192,6 @@ class Telemetry:
             tpot_p50=percentile(tpots, 0.5), tpot_p99=percentile(tpots, 0.99),
             step_p50_s=percentile(step_times, 0.5), step_p99_s=percentile(step_times, 0.99),
             batch_mean=(sum(b for _, _, b in steps) / len(steps)) if steps else 0.0,
-            batch_time_mean=(sum(s * b for _, s, b in steps) / serve_busy) if serve_busy > 0 else 0.0,
             serving_busy_frac=min(serve_busy / span, 1.0),
             training_busy_frac=min(train_busy / span, 1.0),
             training_beside_serving_frac=min(train_beside / span, 1.0),

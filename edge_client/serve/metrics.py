@@ -105,8 +105,6 @@ class _SnapshotCollector:
             M.RUNNING: ("Requests being served", s.running),
             M.MAX_RUNNING: ("Most requests served at once", s.max_running),
             M.BATCH_SIZE: ("Mean requests per engine step (window)", w.batch_mean),
-            M.BATCH_TIME_MEAN: ("Mean requests in the batch per second spent serving, each step weighted by its "
-                                "time (window)", w.batch_time_mean),
             M.SPARE_CAPACITY: ("Fraction of time not spent serving (window)", w.spare_capacity),
             M.TRAINING_BUSY: ("Fraction of time spent training (window)", w.training_busy_frac),
             M.TRAINING_BESIDE_SERVING: ("Fraction of time spent training while requests were running or waiting "
