@@ -30,13 +30,6 @@ an idle router keeps the margin it had. The slack is measured even with a fixed 
 opens and closes slo_pack's gathering (routing.pack_gate, `policy.policy_now`). Pure and clock-free:
 collm-router and collm-sim feed it the same observations and judge by what `update` returns.
 
-With `estimate_correction`, the estimate itself is also corrected from the same first tokens: the router knows
-each admitted request's estimate, so TTFT / estimate over the recent ones whose estimate was at least
-`correction_floor` times their target says how pessimistic the estimate runs now (inside a burst the finish-rate
-guard reads the window's drain and the estimate runs 1.6x the TTFT that follows, docs/benchmarks.md). Its
-`quantile` (at most 1, at least `correction_min`) multiplies the estimate admission judges: the margin
-returned is the margin divided by it. It only loosens, and only on evidence (`min_requests` such first tokens).
-
 Measured (docs/benchmarks.md, 2026-12-05): against a fixed margin of 1 in the same run, a tie on the
 steady trace at 0.8, 1.0 and 1.5 x C and 1.03x goodput under bursts (half the refusals, none late).
 """
@@ -75,10 +68,6 @@ class AdmissionController:
         self.period_s, self.window_s, self.min_requests = f.period_s, f.window_s, f.min_requests
         self.quantile, self.slack_low, self.slack_high, self.step = f.quantile, f.slack_low, f.slack_high, f.step
         self.cool_s = f.cool_s
-        self.correct, self.correction_floor, self.correction_min = (f.estimate_correction, f.correction_floor,
-                                                                     f.correction_min)
-        self.correction = 1.0  # what the estimate is multiplied by (1: as it is)
-        self._ratios: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (at, TTFT / estimate)
         self._hold_until = -math.inf
         self.margin = lo
         self.slack: float | None = None  # the last measured slack (None: no evidence)
@@ -90,19 +79,10 @@ class AdmissionController:
     def adaptive(self) -> bool:
         return self.hi > self.lo
 
-    def observe(self, now: float, ttft_s: float, ttft_target_s: float, estimate_s: float | None = None) -> None:
-        """A first token relayed at `now`, `ttft_s` after the request was sent, against its own target and
-        (for the estimate's correction) the TTFT estimate it was routed on."""
+    def observe(self, now: float, ttft_s: float, ttft_target_s: float) -> None:
+        """A first token relayed at `now`, `ttft_s` after the request was sent, against its own target."""
         if ttft_target_s > 0 and math.isfinite(ttft_s) and ttft_s >= 0:
             self._add(now, ttft_s / ttft_target_s)
-            if (self.correct and estimate_s is not None and math.isfinite(estimate_s)
-                    and estimate_s >= self.correction_floor * ttft_target_s):
-                self._ratios.append((now, ttft_s / estimate_s))
-
-    @property
-    def effective_margin(self) -> float:
-        """What `unattainable` compares estimates with: the margin, over the estimate's correction."""
-        return self.margin / self.correction
 
     def shed(self, now: float) -> None:
         """An edge answered 429 for its load: its queue was full, or the request was shed as late."""
@@ -115,8 +95,6 @@ class AdmissionController:
     def _prune(self, now: float) -> None:
         while self._seen and now - self._seen[0][0] > self.window_s:
             self._seen.popleft()
-        while self._ratios and now - self._ratios[0][0] > self.window_s:
-            self._ratios.popleft()
 
     def update(self, now: float, waiting: Iterable[tuple[float, float]] = ()) -> float:
         """The margin to judge a request by at `now` (adjusted at most once a period). `waiting`: (sent at,
@@ -124,19 +102,15 @@ class AdmissionController:
         (a lower bound of its TTFT), so a queue that builds shows before its first tokens come late.
         The slack is measured with a fixed margin too: routing.pack_gate reads it (`policy.policy_now`)."""
         if self._tick_at is not None and now - self._tick_at < self.period_s:
-            return self.effective_margin
+            return self.margin
         self._tick_at = now
         self._prune(now)
-        if self.correct:
-            ratios = [r for _, r in self._ratios]
-            self.correction = (min(1.0, max(self.correction_min, percentile(ratios, self.quantile)))
-                               if len(ratios) >= self.min_requests else 1.0)
         fresh = [r for _, r in self._seen]
         # a wait counts as at most a shed request: one stuck entry must not hold the margin down forever
         fresh += [min((now - t) / target, SHED_RATIO) for t, target in waiting if target > 0]
         if len(fresh) < self.min_requests:
             self.slack, self.action = None, "no-evidence" if self.adaptive else "fixed"
-            return self.effective_margin
+            return self.margin
         self.slack = s = 1.0 - percentile(fresh, self.quantile)
         if not self.adaptive:
             self.action = "fixed"
@@ -147,4 +121,4 @@ class AdmissionController:
             self.margin, self.action = min(self.hi, self.margin + self.step), "up"
         else:
             self.action = "hold"
-        return self.effective_margin
+        return self.margin

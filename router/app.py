@@ -258,8 +258,7 @@ class Router(EdgeProxy):
         n = self.healthy_count()
         return {"status": "ok" if n else "unavailable", "router": self.cfg.name, "policy": self.cfg.routing.policy,
                 "routing_now": self.policy_now(), "ttft_slack": self.admission.slack,
-                "admission_margin": self.admission.margin,
-                "estimate_correction": self.admission.correction, "healthy_edges": n,
+                "admission_margin": self.admission.margin, "healthy_edges": n,
                 "edges": [e.describe() for e in self.edges]}
 
 

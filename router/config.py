@@ -87,13 +87,6 @@ class AdmissionFeedback(Strict):
                               "routing.admission_margin_max")
     step: float = Field(0.1, gt=0, le=10, description="additive growth of the margin per period")
     cool_s: float = Field(30.0, ge=0, le=3600, description="no growth this long after a drop (seconds)")
-    estimate_correction: bool = Field(False, description="judge admission by the estimate times the `quantile` of "
-                                      "TTFT / estimate over the recent first tokens whose estimate was at least "
-                                      "`correction_floor` times their target (at most 1: it only loosens a "
-                                      "pessimistic estimate; router/admission.py)")
-    correction_floor: float = Field(0.5, gt=0, le=10, description="estimates under this times their target "
-                                    "teach the correction nothing (a short wait's ratio is mostly fixed costs)")
-    correction_min: float = Field(0.5, gt=0, le=1, description="the correction never goes below this")
 
     @model_validator(mode="after")
     def _band(self) -> AdmissionFeedback:

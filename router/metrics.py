@@ -64,7 +64,7 @@ class _EdgeGauges:
         total.add_metric([], float(self.router.healthy_count()))
         margin = GaugeMetricFamily(ADMISSION_MARGIN, "Admission refuses a request whose soonest estimated TTFT is "
                                    "past this many times its target (router/admission.py)")
-        margin.add_metric([], float(self.router.admission.effective_margin))  # with estimate_correction: over it
+        margin.add_metric([], float(self.router.admission.margin))
         measured = GaugeMetricFamily(TTFT_SLACK, "1 - the 0.9 quantile of TTFT / target over the recent first tokens "
                                      "relayed (NaN: too few); routing.pack_gate reads it")
         s = self.router.admission.slack

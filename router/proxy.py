@@ -221,14 +221,14 @@ class EdgeProxy:
         if isinstance(ttft, (int, float)):
             self.metrics.ttft_est.labels(edge.name).observe(est.ttft_s)
             self.metrics.ttft_obs.labels(edge.name).observe(ttft)
-            self.admission.observe(time.monotonic(), float(ttft), est.ttft_target_s, est.ttft_s)
+            self.admission.observe(time.monotonic(), float(ttft), est.ttft_target_s)
         self._learn_output(tokens if isinstance(tokens, int) else None)
 
     def _note_first_token(self, held: OpenAttempt, watch: SSEWatch, est: Estimate) -> None:
         """A stream's first token, once seen: admission learns its TTFT now, not when the stream ends."""
         if watch.first_token_s is not None:
             held.first_token()
-            self.admission.observe(time.monotonic(), watch.first_token_s, est.ttft_target_s, est.ttft_s)
+            self.admission.observe(time.monotonic(), watch.first_token_s, est.ttft_target_s)
 
     async def _relay(self, edge: EdgeState, est: Estimate, chunks: AsyncIterator[bytes], first: bytes, t0: float,
                      held: OpenAttempt) -> AsyncIterator[bytes]:

@@ -46,7 +46,7 @@ class SimRequest:
     """What the planner and the slack guard read of a request (the engine's `Request` fields)."""
 
     __slots__ = ("index", "point", "arrival", "prompt_ids", "prefilled", "out_ids", "slot", "adapter",
-                 "first_token_at", "max_tokens", "slo", "cancelled", "estimate_s")
+                 "first_token_at", "max_tokens", "slo", "cancelled")
 
     def __init__(self, index: int, point: int, arrival: float, prompt_tokens: int, max_tokens: int, slo: SLO):
         self.index, self.point, self.arrival = index, point, arrival
@@ -58,7 +58,6 @@ class SimRequest:
         self.adapter: Version | None = None
         self.first_token_at: float | None = None
         self.max_tokens = max_tokens
-        self.estimate_s: float | None = None  # the router's TTFT estimate on the edge it chose (its admission learns from it)
         self.slo = slo
 
     @property

@@ -211,7 +211,6 @@ class World(FederationRounds):
         e = self.serving[k]
         # the edge prefills its chat template's tokens too (a trace counts the message alone)
         r = SimRequest(i, self._point, now, tr.prompt_tokens + e.p.template_tokens, tr.output_tokens, self.slo)
-        r.estimate_s = d.estimate.ttft_s if d.estimate is not None else None
         shard = k % self.shards
         if cfg.router.admission and unattainable(d, self.admissions[shard].update(now, self.waiting[shard].values())):
             self._record(r, -1, "refused", None, None)
@@ -233,7 +232,7 @@ class World(FederationRounds):
         if k is not None:
             shard = k % self.shards
             self.waiting[shard].pop((r.index, r.point), None)
-            self.admissions[shard].observe(now, now - r.arrival + self.cfg.network.rtt_s, r.slo.ttft_s, r.estimate_s)
+            self.admissions[shard].observe(now, now - r.arrival + self.cfg.network.rtt_s, r.slo.ttft_s)
 
     def finished(self, r: SimRequest, edge: SimEdge, now: float, status: str, ttft: float | None,
                  tpot: float | None) -> None:
