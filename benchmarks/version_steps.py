@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -92,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     from collm.edge_client.training.data import load_edge_data
     from collm.edge_client.training.jobs import TrainBudget
 
-    tl = Path(tempfile.mkdtemp(prefix="version-steps-")) / "timeline.jsonl"
+    tmp = tempfile.TemporaryDirectory(prefix="version-steps-")  # removed on every way out, an error's included
+    tl = Path(tmp.name) / "timeline.jsonl"
     cfg = engine_cfg("smollm2", "cpu", "float32", {"model": {"cpu_affinity": [a.core], "threads": 1},
                                                    "engine": {"timeline": str(tl)}})
     lm = load_model(cfg.model)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         eng.stop(10)
     steps = [e for e in read_timeline(tl) if e.get("ev") == "step" and not e.get("pf") and e.get("dec")]
-    shutil.rmtree(tl.parent, ignore_errors=True)
+    tmp.cleanup()
     base: dict[int, float] = {}
     print("served after                " + "  ".join(f"{n} rows ms (x first, n)".rjust(26) for n in ROWS))
     for label, spans in phases:
