@@ -19,6 +19,9 @@ Variants (comma-separated `--variants`), each on fresh engines with the same see
                       (`server/lr_schedule.py`, the server's balancer.lr_decay). The presets' schedule since
                       2026-12-06 is avg@4x0.8 (single1.4@4x0.8) with --lr-min 5e-4: 2e-3, 1.6e-3, ..., 5e-4
 
+`--group-by-length 0` trains on random micro-batches instead of the edge default's length-grouped ones; the
+table's last column is the training tokens per second of training compute (padding is computed, not counted).
+
     python benchmarks/federation_step.py --tokens 3000 --rounds 4 --variants avg,sum,single2,single1.4   # ~12 min
 """
 
@@ -44,6 +47,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--variants", default="avg,sum,single2,single1.4")
     ap.add_argument("--lr-min", type=float, default=0.0, help="the floor of an @<s>x<d> schedule")
+    ap.add_argument("--group-by-length", type=int, default=None,
+                    help="the edges' training.group_by_length (default: the edge's; 0: random micro-batches)")
     ap.add_argument("--out", default="runs/federation_step.json")
     args = ap.parse_args()
     if args.lr_min < 0:
@@ -78,17 +83,20 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     halves = [categories(p) for p in partition_by_category(load_records(), 2)]
 
+    grouping = {} if args.group_by_length is None else {"group_by_length": args.group_by_length}
+
     def cfg(name, cats, threads):
         return edge_config("bundled", name, out.parent / "federation_step", categories=cats,
                            overrides={"engine": {"warmup": False}, "model": {"threads": threads},
-                                      "training": {"max_eval_records": 8, "carry_between_rounds": False}})
+                                      "training": {"max_eval_records": 8, "carry_between_rounds": False, **grouping}})
 
     # collm-bench's own judge, on its held-out set (configs/bench.yaml: eval_records 24)
     judged = QualityJudge(BenchConfig.model_validate({"model": "bundled", "out": str(out.parent / "federation_step"),
                                                       "eval_records": 24})).loss
 
-    results = {}
+    results, rates = {}, {}
     for name, v, lr0, decay in variants:
+        spent = trained = 0.0
         t0 = time.time()
         if v.startswith("single"):
             cfgs = [cfg("single", halves[0] + halves[1], 2)]
@@ -116,18 +124,22 @@ def main() -> None:
                     delta = momentum
                 glob = {k: start[k] + delta[k] for k in delta}
                 losses.append(judged(glob))
+                computed = [round(rep.compute_seconds, 1) for rep in reps]
+                spent += sum(rep.compute_seconds for rep in reps)
+                trained += sum(rep.tokens for rep in reps)
                 print(f"{name} round {r + 1}: held-out loss {losses[-1]:.4f}, tokens {[rep.tokens for rep in reps]}, "
-                      f"{time.time() - t0:.0f} s", flush=True)
+                      f"training compute {computed} s, {time.time() - t0:.0f} s", flush=True)
         finally:
             pool.shutdown()
             for e in engines:
                 e.stop()
         results[name] = losses
-    print("\n| variant | " + " | ".join(f"round {r}" for r in range(args.rounds + 1)) + " |")
-    print("|---" * (args.rounds + 2) + "|")
+        rates[name] = trained / max(spent, 1e-9)
+    print("\n| variant | " + " | ".join(f"round {r}" for r in range(args.rounds + 1)) + " | tokens / compute s |")
+    print("|---" * (args.rounds + 3) + "|")
     for v, losses in results.items():
-        print(f"| {v} | " + " | ".join(f"{x:.4f}" for x in losses) + " |")
-    out.write_text(json.dumps({"args": vars(args), "loss_by_round": results}, indent=1))
+        print(f"| {v} | " + " | ".join(f"{x:.4f}" for x in losses) + f" | {rates[v]:.0f} |")
+    out.write_text(json.dumps({"args": vars(args), "loss_by_round": results, "tokens_per_compute_s": rates}, indent=1))
     print(f"\nwrote {out}")
 
 

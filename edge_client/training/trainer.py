@@ -51,20 +51,41 @@ def collate(examples: list[Example], pad_id: int, device) -> tuple[torch.Tensor,
 
 
 class ExampleStream:
-    """Endless shuffled pass over the training examples (reshuffled each epoch, seeded)."""
+    """Endless shuffled pass over the training examples (reshuffled each epoch, seeded), `k` at a time.
 
-    def __init__(self, examples: list[Example], seed: int = 0):
+    With `group` > 0 each epoch's order is cut into windows of `group * k` examples, each window sorted by
+    length and cut into groups of `k`, and the groups shuffled again: a micro-batch's sequences have
+    similar lengths, so little of it is padding, and which examples meet in a window is still random
+    (Hugging Face's `LengthGroupedSampler` does the same with "megabatches"). Takes are `k` at a time, so
+    a group never straddles two micro-batches."""
+
+    def __init__(self, examples: list[Example], seed: int = 0, *, k: int = 1, group: int = 0):
         if not examples:
             raise ValueError("no training examples")
         self.examples = examples
         self.rng = random.Random(seed)
+        self.k = k
+        self.group = group
         self.buffer: list[Example] = []
+
+    def _refill(self) -> None:
+        order = list(self.examples)
+        self.rng.shuffle(order)
+        order = self.buffer + order  # an epoch's remainder (fewer than k) joins the next epoch's grouping
+        if self.group > 0 and self.k > 1:
+            out: list[Example] = []
+            w = self.group * self.k
+            for i in range(0, len(order), w):
+                window = sorted(order[i: i + w], key=lambda e: len(e.input_ids))
+                groups = [window[j: j + self.k] for j in range(0, len(window), self.k)]
+                self.rng.shuffle(groups)
+                out.extend(e for g in groups for e in g)
+            order = out
+        self.buffer = order
 
     def peek(self, k: int) -> list[Example]:
         while len(self.buffer) < k:
-            order = list(self.examples)
-            self.rng.shuffle(order)
-            self.buffer.extend(order)
+            self._refill()
         return self.buffer[:k]
 
     def take(self, k: int) -> list[Example]:
@@ -82,7 +103,7 @@ class LocalTrainer:
         self.adapter = adapter
         self.layer_params = layer_params_of(adapter, layers, len(self.parts.layers))
         self.cfg = cfg
-        self.stream = ExampleStream(examples, seed)
+        self.stream = ExampleStream(examples, seed, k=cfg.micro_batch_size, group=cfg.group_by_length)
         self.pad_id = pad_id
         self.dropout = dropout
         self.optimizer = self._new_optimizer()
