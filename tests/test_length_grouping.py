@@ -43,6 +43,21 @@ def test_grouped_stream_pads_less_and_sees_every_example_once_an_epoch():
     assert sum(a > b for a, b in zip(lengths, lengths[1:])) > 25
 
 
+def test_no_micro_batch_straddles_two_groups_when_the_epoch_is_not_a_multiple():
+    exs = _examples(7)  # one window an epoch, three pairs and one left over
+    ranked = sorted(exs, key=lambda e: len(e.input_ids))
+    pairs = {tuple(e.input_ids[0] for e in ranked[i: i + 2]) for i in (0, 2, 4)}
+    for seed in range(8):  # wherever the shuffle would put the short group
+        s = ExampleStream(exs, seed=seed, k=2, group=50)
+        first = {tuple(e.input_ids[0] for e in s.take(2)) for _ in range(3)}
+        assert first == pairs  # neighbours in length, never the leftover with another group's half
+        nxt = [e.input_ids[0] for _ in range(4) for e in s.take(2)]  # the leftover, regrouped with the next epoch
+        assert Counter(nxt) == Counter([ranked[-1].input_ids[0]] + list(range(7)))
+        out = by_length(exs, 2, seed=seed)
+        assert out[-1] is ranked[-1]  # the short batch (the longest record) last
+        assert {tuple(e.input_ids[0] for e in out[i: i + 2]) for i in (0, 2, 4)} == pairs
+
+
 def test_ungrouped_stream_is_the_old_order():
     exs = _examples(50)
     s = ExampleStream(exs, seed=7, k=2)

@@ -14,9 +14,10 @@ from collm.edge_client.training.trainer import collate
 def by_length(examples: list[Example], batch_size: int, seed: int = 0) -> list[Example]:
     """`examples` reordered so each run of `batch_size` holds similar lengths, the runs in a seeded order."""
     ranked = sorted(examples, key=lambda e: len(e.input_ids))
-    batches = [ranked[i: i + batch_size] for i in range(0, len(ranked), batch_size)]
+    full = len(ranked) - len(ranked) % batch_size
+    batches = [ranked[i: i + batch_size] for i in range(0, full, batch_size)]
     random.Random(seed).shuffle(batches)
-    return [e for b in batches for e in b]
+    return [e for b in batches for e in b] + ranked[full:]  # a short batch last, so no batch straddles two
 
 
 class EvalJob(PassJob):

@@ -77,9 +77,11 @@ class ExampleStream:
             w = self.group * self.k
             for i in range(0, len(order), w):
                 window = sorted(order[i: i + w], key=lambda e: len(e.input_ids))
-                groups = [window[j: j + self.k] for j in range(0, len(window), self.k)]
+                full = len(window) - len(window) % self.k
+                groups = [window[j: j + self.k] for j in range(0, full, self.k)]
                 self.rng.shuffle(groups)
                 out.extend(e for g in groups for e in g)
+                out.extend(window[full:])  # a short group (the last window only) stays last: the next refill regroups it
             order = out
         self.buffer = order
 
