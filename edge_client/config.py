@@ -189,7 +189,7 @@ class TrainingConfig(Strict):
                                  "longest: each epoch's shuffled examples are cut into windows of this many "
                                  "micro-batches, sorted by length inside a window and grouped, so a micro-batch "
                                  "holds sequences of similar length (Hugging Face's group_by_length; 0: random "
-                                 "micro-batches: 18-22% of a micro-batch of 2 from the bench's data is padding)")
+                                 "micro-batches: 16-19% of a micro-batch of 2 from the bench's data is padding, benchmarks/padding.py)")
     reset_optimizer_each_round: bool = True
     co_schedule: Literal["slo_feedback", "work_conserving", "naive"] = Field(
         "slo_feedback", description="slo_feedback: training in idle time, and beside decodes as much as the "

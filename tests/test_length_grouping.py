@@ -6,11 +6,12 @@ import random
 from collections import Counter
 
 import pytest
+
 from collm.common.data import Example
 from collm.common.errors import UserError
 from collm.edge_client.training.evaluation import EvalJob, by_length
 from collm.edge_client.training.trainer import ExampleStream
-from tests.helpers import random_adapter_state, tiny_config, tiny_engine
+from helpers import random_adapter_state, tiny_config, tiny_engine
 
 
 def _examples(n: int, seed: int = 1) -> list[Example]:
@@ -81,6 +82,7 @@ def test_by_length_keeps_every_example_and_batches_similar_lengths():
     exs = _examples(37)
     out = by_length(exs, 4)
     assert sorted(e.input_ids[0] for e in out) == list(range(37))
+
     def pad(xs):
         return _padding([xs[i: i + 4] for i in range(0, 37, 4)]) - 1
 

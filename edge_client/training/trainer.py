@@ -50,6 +50,17 @@ def collate(examples: list[Example], pad_id: int, device) -> tuple[torch.Tensor,
     return ids.to(device), mask.to(device), labels.to(device)
 
 
+def grouped_by_length(examples: list[Example], k: int, rng: random.Random) -> list[Example]:
+    """`examples` sorted by length, cut into groups of `k` (neighbours in length, so a batch of them is
+    little padding), the full groups in `rng`'s order and a short group last, so that consecutive takes of
+    `k` never straddle two groups. Training's stream and evaluation's batches both use it."""
+    ranked = sorted(examples, key=lambda e: len(e.input_ids))
+    full = len(ranked) - len(ranked) % k
+    groups = [ranked[i: i + k] for i in range(0, full, k)]
+    rng.shuffle(groups)
+    return [e for g in groups for e in g] + ranked[full:]
+
+
 class ExampleStream:
     """Endless shuffled pass over the training examples (reshuffled each epoch, seeded), `k` at a time.
 
@@ -72,17 +83,9 @@ class ExampleStream:
         order = list(self.examples)
         self.rng.shuffle(order)
         order = self.buffer + order  # an epoch's remainder (fewer than k) joins the next epoch's grouping
-        if self.group > 0 and self.k > 1:
-            out: list[Example] = []
+        if self.group > 0 and self.k > 1:  # only the last window can end in a short group; the next refill regroups it
             w = self.group * self.k
-            for i in range(0, len(order), w):
-                window = sorted(order[i: i + w], key=lambda e: len(e.input_ids))
-                full = len(window) - len(window) % self.k
-                groups = [window[j: j + self.k] for j in range(0, full, self.k)]
-                self.rng.shuffle(groups)
-                out.extend(e for g in groups for e in g)
-                out.extend(window[full:])  # a short group (the last window only) stays last: the next refill regroups it
-            order = out
+            order = [e for i in range(0, len(order), w) for e in grouped_by_length(order[i: i + w], self.k, self.rng)]
         self.buffer = order
 
     def peek(self, k: int) -> list[Example]:
