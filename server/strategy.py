@@ -50,6 +50,7 @@ from collm.server.config import ServerConfig
 from collm.server.privacy import PrivacyLedger, Release
 from collm.server.intake import prepare_updates, screen_round
 from collm.server.lr_schedule import round_lr
+from collm.server.node_snapshot import NodeSnapshot
 from collm.server.replies import (common_metric_keys, edge_name, read_eval_replies, read_train_replies,
                                   unique_names, with_weight)
 from collm.server.robust import Update
@@ -181,7 +182,7 @@ class CollmRounds:
         self._pause_after_an_empty_round(r)
         rec = self._record(r)
         self._global = {k: v.numpy() for k, v in arrays.items()}
-        base = list(super().configure_train(r, arrays, config, grid))
+        base = list(super().configure_train(r, arrays, config, NodeSnapshot(grid, self.min_available_nodes)))
         if not base:
             return []
         node_ids = [m.metadata.dst_node_id for m in base]
@@ -358,7 +359,8 @@ class CollmRounds:
             return []
         config = ConfigRecord({**dict(config), **{k: v for rule in self.rules for k, v in rule.evaluate_config().items()},
                                **self._signed(r, grid)})
-        self._outbox = list(super().configure_evaluate(r, wire.pack_record(arrays), config, grid))
+        self._outbox = list(super().configure_evaluate(r, wire.pack_record(arrays), config,
+                                                       NodeSnapshot(grid, self.min_available_nodes)))
         return self._outbox
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:

@@ -658,6 +658,29 @@ def test_an_edge_that_left_is_named_in_the_round_and_the_round_completes(tmp_pat
     assert m["eval"]["busy"] == {"error": "Error: Node Unavailable"} and set(m["eval"]) == {"idle", "busy", "slow"}
 
 
+class LeavingGrid(LocalGrid):
+    """An edge that dies right after flwr counted it: every count after the first of a sampling lacks it."""
+
+    def __init__(self, edges, leaver: int):
+        super().__init__(edges)
+        self.leaver, self.calls = leaver, 0
+
+    def get_node_ids(self):
+        self.calls += 1
+        if self.calls > 200:
+            raise RuntimeError("the strategy keeps waiting for an edge that left")
+        return list(self.edges) if self.calls == 1 else [n for n in self.edges if n != self.leaver]
+
+
+def test_a_round_does_not_wait_for_an_edge_that_left_after_it_was_counted(tmp_path):
+    grid = make_grid(busy={"gone_for": (MessageType.TRAIN, MessageType.EVALUATE)})
+    grid = LeavingGrid(grid.edges, leaver=202)
+    cfg = server_cfg(tmp_path, rounds=1, min_nodes=2)
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=1, timeout=30)
+    m = load_round(cfg.checkpoint_dir, 1).metrics
+    assert m["kept"] == ["idle"] and m["dropped"]["busy"] == "error reply: Error: Node Unavailable"
+
+
 # ------------------------------------------------------------------------------ config
 def test_shipped_server_config_loads_and_builds():
     from collm.server.config import load_server_config
