@@ -17,6 +17,7 @@ from flwr.app import (Array, ArrayRecord, ConfigRecord, Context, Error, Message,
                       RecordDict)
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import strategy_utils
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -28,6 +29,7 @@ from collm.server.app import run, summary_table
 from collm.common.rounds import latest_complete_round
 from collm.server.checkpoints import load_all_metrics, load_round
 from collm.server.config import ServerConfig
+from collm.server.node_snapshot import NodeSnapshot
 from collm.server.strategies import CollmFedAdam, CollmFedProx, build_strategy
 from collm.common.lora_rank import fit_rank
 from collm.common.protocol import LoadReport
@@ -672,13 +674,24 @@ class LeavingGrid(LocalGrid):
         return list(self.edges) if self.calls == 1 else [n for n in self.edges if n != self.leaver]
 
 
-def test_a_round_does_not_wait_for_an_edge_that_left_after_it_was_counted(tmp_path):
+def test_a_round_does_not_wait_for_an_edge_that_left_after_it_was_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr(strategy_utils, "sleep", lambda s: None)  # flwr's wait, were it reached, fails at once
     grid = make_grid(busy={"gone_for": (MessageType.TRAIN, MessageType.EVALUATE)})
     grid = LeavingGrid(grid.edges, leaver=202)
     cfg = server_cfg(tmp_path, rounds=1, min_nodes=2)
     build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=1, timeout=30)
     m = load_round(cfg.checkpoint_dir, 1).metrics
     assert m["kept"] == ["idle"] and m["dropped"]["busy"] == "error reply: Error: Node Unavailable"
+
+
+def test_the_snapshot_waits_for_the_minimum_then_keeps_its_one_list():
+    counts = iter([1, 2, 3, 2, 1])
+    grid = LocalGrid({})
+    grid.get_node_ids = lambda: list(range(next(counts)))
+    slept: list[float] = []
+    snap = NodeSnapshot(grid, 3, sleep=slept.append)
+    assert snap.get_node_ids() == [0, 1, 2] and slept == [1.0, 1.0]
+    assert snap.get_node_ids() == [0, 1, 2]  # later reads do not ask the grid again
 
 
 # ------------------------------------------------------------------------------ config
