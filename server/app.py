@@ -58,8 +58,9 @@ def run(grid: Grid, cfg: ServerConfig) -> None:
     if done:
         strategy.restore_history({r: m for r, m in load_all_metrics(cfg.checkpoint_dir).items() if r <= done})
     t0 = time.time()
-    strategy.start(grid=QuickGrid(grid, cfg.reply_poll_s), initial_arrays=arrays, num_rounds=cfg.rounds - done,
-                   timeout=cfg.round_timeout_s, train_config=ConfigRecord(), evaluate_config=ConfigRecord())
+    strategy.start(grid=QuickGrid(grid, cfg.reply_poll_s, names=strategy.name_of), initial_arrays=arrays,
+                   num_rounds=cfg.rounds - done, timeout=cfg.round_timeout_s, train_config=ConfigRecord(),
+                   evaluate_config=ConfigRecord())
     log(INFO, "rounds %d-%d finished in %.1f s", done + 1, cfg.rounds, time.time() - t0)
     write_status(cfg.checkpoint_dir, {"round": latest_complete_round(cfg.checkpoint_dir), "phase": "finished",
                                       "at": time.time()})

@@ -152,6 +152,10 @@ class CollmRounds:
                 if d.get("take_part"):
                     self._last_trained[d["edge"]] = r
 
+    def name_of(self, node_id: int) -> str:
+        """The edge name a node last reported (`node-<id>` before it reported one)."""
+        return self._node_names.get(node_id, f"node-{node_id}")
+
     def _names_of(self, replies: list[Message]) -> dict[int, str]:
         """Edge name per replying node: the reported one, else the last one known, else node-<id>."""
         names = {}
