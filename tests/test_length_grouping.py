@@ -44,6 +44,17 @@ def test_grouped_stream_pads_less_and_sees_every_example_once_an_epoch():
     assert sum(a > b for a, b in zip(lengths, lengths[1:])) > 25
 
 
+@pytest.mark.parametrize("group", [50, 0])
+def test_no_micro_batch_holds_one_example_twice(group):
+    # 301 examples in pairs: every other epoch ends with one left over, which joins the next epoch's first
+    # window, where its own next-epoch copy may be; sorted by length, the two would be neighbours
+    s = ExampleStream(_examples(301), seed=5, k=2, group=group)
+    batches = [s.take(2) for _ in range(301 * 60 // 2)]
+    assert all(b[0] is not b[1] for b in batches)
+    seen = Counter(e.input_ids[0] for b in batches for e in b)
+    assert seen == {i: 60 for i in range(301)}  # still every example once an epoch
+
+
 def test_no_micro_batch_straddles_two_groups_when_the_epoch_is_not_a_multiple():
     exs = _examples(7)  # one window an epoch, three pairs and one left over
     ranked = sorted(exs, key=lambda e: len(e.input_ids))

@@ -82,11 +82,26 @@ class ExampleStream:
     def _refill(self) -> None:
         order = list(self.examples)
         self.rng.shuffle(order)
-        order = self.buffer + order  # an epoch's remainder (fewer than k) joins the next epoch's grouping
+        order = self.buffer + self._apart_from_leftover(order)  # an epoch's remainder (fewer than k) joins the next epoch
         if self.group > 0 and self.k > 1:  # only the last window can end in a short group; the next refill regroups it
             w = self.group * self.k
             order = [e for i in range(0, len(order), w) for e in grouped_by_length(order[i: i + w], self.k, self.rng)]
         self.buffer = order
+
+    def _apart_from_leftover(self, order: list[Example]) -> list[Example]:
+        """`order` with the next-epoch copies of the leftover examples moved past the first micro-batch (the
+        first window when grouping), so that no micro-batch holds one example twice: in a window sorted by
+        length an example and its copy are neighbours. An epoch shorter than that place keeps them where
+        they are."""
+        if not self.buffer:
+            return order
+        first = (self.group * self.k if self.group > 0 and self.k > 1 else self.k) - len(self.buffer)
+        held = {id(e) for e in self.buffer}
+        moved = [e for e in order[:first] if id(e) in held]
+        if not moved:
+            return order
+        head = [e for e in order[:first] if id(e) not in held]
+        return head + order[first: first + len(moved)] + moved + order[first + len(moved):]
 
     def peek(self, k: int) -> list[Example]:
         while len(self.buffer) < k:
