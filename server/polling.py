@@ -29,8 +29,8 @@ class QuickGrid(Grid):
     def __init__(self, grid: Grid, poll_s: float, *, sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.time, names: Callable[[int], str] = lambda nid: f"node-{nid}",
                  report_every_s: float = 30.0) -> None:
-        if not poll_s > 0:
-            raise ValueError(f"poll_s must be positive, got {poll_s!r}")
+        if not poll_s > 0 or not report_every_s > 0:
+            raise ValueError(f"poll_s and report_every_s must be positive, got {poll_s!r} and {report_every_s!r}")
         self.grid, self.poll_s, self._sleep, self._clock = grid, poll_s, sleep, clock
         self.names, self.report_every_s = names, report_every_s
 
@@ -61,9 +61,8 @@ class QuickGrid(Grid):
         """Push `messages`, then pull their replies until all came or `timeout` seconds passed (None: no
         limit), as flwr's does, but waiting `poll_s` between pulls instead of 3 s."""
         messages = list(messages)
-        ids = list(self.push_messages(messages))
-        to = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages)}
-        waiting = set(ids)
+        waiting = set(self.push_messages(messages))
+        to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}  # the grid set the ids as it pushed
         start = self._clock()
         end = start + (timeout if timeout is not None else 0.0)
         next_report = start + self.report_every_s
@@ -74,7 +73,7 @@ class QuickGrid(Grid):
             waiting.difference_update(m.metadata.reply_to_message_id for m in got)
             if waiting:
                 if self._clock() >= next_report:
-                    next_report += self.report_every_s
+                    next_report = self._clock() + self.report_every_s
                     self._report(sorted(self.names(to[mid]) for mid in waiting if mid in to), start, timeout)
                 self._sleep(self.poll_s)
         return replies

@@ -44,15 +44,15 @@ def test_grouped_stream_pads_less_and_sees_every_example_once_an_epoch():
     assert sum(a > b for a, b in zip(lengths, lengths[1:])) > 25
 
 
-@pytest.mark.parametrize("group", [50, 0])
-def test_no_micro_batch_holds_one_example_twice(group):
-    # 301 examples in pairs: every other epoch ends with one left over, which joins the next epoch's first
-    # window, where its own next-epoch copy may be; sorted by length, the two would be neighbours
-    s = ExampleStream(_examples(301), seed=5, k=2, group=group)
-    batches = [s.take(2) for _ in range(301 * 60 // 2)]
-    assert all(b[0] is not b[1] for b in batches)
+@pytest.mark.parametrize("n,k,group", [(301, 2, 50), (301, 2, 0), (51, 2, 50), (7, 3, 0), (9, 4, 2), (301, 4, 50)])
+def test_no_micro_batch_holds_one_example_twice(n, k, group):
+    # an epoch that does not divide into micro-batches leaves examples over, which open the next epoch,
+    # where their own next-epoch copies are; grouped by length, an example and its copy are neighbours
+    s = ExampleStream(_examples(n), seed=5, k=k, group=group)
+    batches = [s.take(k) for _ in range(n * 12)]  # k * 12 epochs
+    assert all(len({id(e) for e in b}) == k for b in batches)
     seen = Counter(e.input_ids[0] for b in batches for e in b)
-    assert seen == {i: 60 for i in range(301)}  # still every example once an epoch
+    assert seen == {i: 12 * k for i in range(n)}  # still every example once an epoch
 
 
 def test_no_micro_batch_straddles_two_groups_when_the_epoch_is_not_a_multiple():

@@ -33,7 +33,9 @@ class ScriptedGrid(Grid):
 
     def push_messages(self, messages):
         self.pushed = list(messages)
-        return [f"m{i}" for i in range(len(self.pushed))]
+        for i, m in enumerate(self.pushed):  # as flwr's grids do: the id is set on the message as it is pushed
+            m.metadata.message_id = f"m{i}"
+        return [m.metadata.message_id for m in self.pushed]
 
     def pull_messages(self, message_ids):
         self.pulls += 1

@@ -68,7 +68,8 @@ class ExampleStream:
     length and cut into groups of `k`, and the groups shuffled again: a micro-batch's sequences have
     similar lengths, so little of it is padding, and which examples meet in a window is still random
     (Hugging Face's `LengthGroupedSampler` does the same with "megabatches"). Takes are `k` at a time, so
-    a group never straddles two micro-batches."""
+    a group never straddles two micro-batches. An epoch's leftover opens the next epoch's first micro-batch
+    (`_leftover_batch`)."""
 
     def __init__(self, examples: list[Example], seed: int = 0, *, k: int = 1, group: int = 0):
         if not examples:
@@ -82,26 +83,25 @@ class ExampleStream:
     def _refill(self) -> None:
         order = list(self.examples)
         self.rng.shuffle(order)
-        order = self.buffer + self._apart_from_leftover(order)  # an epoch's remainder (fewer than k) joins the next epoch
+        lead, order = self._leftover_batch(order)
         if self.group > 0 and self.k > 1:  # only the last window can end in a short group; the next refill regroups it
             w = self.group * self.k
             order = [e for i in range(0, len(order), w) for e in grouped_by_length(order[i: i + w], self.k, self.rng)]
-        self.buffer = order
+        self.buffer = lead + order
 
-    def _apart_from_leftover(self, order: list[Example]) -> list[Example]:
-        """`order` with the next-epoch copies of the leftover examples moved past the first micro-batch (the
-        first window when grouping), so that no micro-batch holds one example twice: in a window sorted by
-        length an example and its copy are neighbours. An epoch shorter than that place keeps them where
-        they are."""
+    def _leftover_batch(self, order: list[Example]) -> tuple[list[Example], list[Example]]:
+        """(the next epoch's first micro-batch, the rest of `order`). An epoch's leftover (fewer than k examples)
+        opens the next epoch's first micro-batch, completed by the first examples of `order` that are not its
+        own copies: grouped by length, an example and its copy would be neighbours, one micro-batch."""
         if not self.buffer:
-            return order
-        first = (self.group * self.k if self.group > 0 and self.k > 1 else self.k) - len(self.buffer)
+            return [], order
         held = {id(e) for e in self.buffer}
-        moved = [e for e in order[:first] if id(e) in held]
-        if not moved:
-            return order
-        head = [e for e in order[:first] if id(e) not in held]
-        return head + order[first: first + len(moved)] + moved + order[first + len(moved):]
+        need = self.k - len(self.buffer)
+        fill: list[Example] = []
+        rest: list[Example] = []
+        for e in order:
+            (fill if len(fill) < need and id(e) not in held else rest).append(e)
+        return self.buffer + fill, rest
 
     def peek(self, k: int) -> list[Example]:
         while len(self.buffer) < k:
