@@ -684,14 +684,28 @@ def test_a_round_does_not_wait_for_an_edge_that_left_after_it_was_counted(tmp_pa
     assert m["kept"] == ["idle"] and m["dropped"]["busy"] == "error reply: Error: Node Unavailable"
 
 
-def test_the_snapshot_waits_for_the_minimum_then_keeps_its_one_list():
+def test_the_snapshot_answers_afresh_below_the_minimum_then_keeps_its_one_list():
     counts = iter([1, 2, 3, 2, 1])
     grid = LocalGrid({})
     grid.get_node_ids = lambda: list(range(next(counts)))
+    snap = NodeSnapshot(grid, 3)
+    assert [len(snap.get_node_ids()) for _ in range(4)] == [1, 2, 3, 3]  # flwr waits on the first two
+
+
+def test_the_first_round_still_waits_for_every_edge_to_connect(tmp_path, monkeypatch):
     slept: list[float] = []
-    snap = NodeSnapshot(grid, 3, sleep=slept.append)
-    assert snap.get_node_ids() == [0, 1, 2] and slept == [1.0, 1.0]
-    assert snap.get_node_ids() == [0, 1, 2]  # later reads do not ask the grid again
+
+    def nap(s):  # flwr's wait between counts; a snapshot stuck below the minimum would wait forever
+        slept.append(s)
+        assert len(slept) < 50, "still waiting for edges that are all connected"
+
+    monkeypatch.setattr(strategy_utils, "sleep", nap)
+    grid = make_grid()
+    connected = iter([1, 2] + [3] * 100)  # the edges connect one by one
+    grid.get_node_ids = lambda: list(grid.edges)[:next(connected)]
+    build_strategy(server_cfg(tmp_path, rounds=1)).start(grid, ArrayRecord(), num_rounds=1, timeout=30)
+    assert slept == [1]  # counted 1 (flwr sizes its sample), then waited once at 2
+    assert {m.metadata.dst_node_id for m in grid.sent_of(MessageType.QUERY)} == set(grid.edges)
 
 
 # ------------------------------------------------------------------------------ config
