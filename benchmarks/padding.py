@@ -27,16 +27,8 @@ import numpy as np
 
 def _run(p) -> float:
     t = time.perf_counter()
-    while not p.done:
-        p.run_unit()
+    p.run_all()
     return time.perf_counter() - t
-
-
-def _boot(num: np.ndarray, den: np.ndarray, rng: np.random.Generator, n: int = 2000) -> tuple[float, float, float]:
-    """sum(num) / sum(den) with a paired bootstrap interval over the repeats."""
-    idx = rng.integers(0, len(num), size=(n, len(num)))
-    r = num[idx].sum(1) / den[idx].sum(1)
-    return float(num.sum() / den.sum()), float(np.quantile(r, 0.025)), float(np.quantile(r, 0.975))
 
 
 def _pad_share(batches) -> float:
@@ -54,6 +46,7 @@ def main() -> None:
         ap.error("--repeats must be >= 2 and --eval-records >= 1")
 
     from collm.common.data import categories, load_records, partition_by_category
+    from collm.common.stats import ratio_ci
     from collm.edge_client.engine import Engine
     from collm.edge_client.model.loading import load_model
     from collm.edge_client.training.data import load_edge_data
@@ -63,7 +56,6 @@ def main() -> None:
     from collm.lab.topology import edge_config
 
     out = Path("runs/padding")
-    rng = np.random.default_rng(0)
     rows = []
     for i, cats in enumerate(categories(p) for p in partition_by_category(load_records(), 2)):
         cfg = edge_config("bundled", f"half{i}", out, categories=cats,
@@ -93,7 +85,7 @@ def main() -> None:
         # the rate ratio: (real tokens / s grouped) / (real tokens / s random), paired by repeat
         num = np.array(tok[50]) * np.array(sec[0])
         den = np.array(tok[0]) * np.array(sec[50])
-        rate = _boot(num, den, rng)
+        rate = ratio_ci(num, den)
         rows.append((f"half {i}: training, real tokens/s grouped / random", rate,
                      f"computed / real tokens {pad[0]:.3f} random, {pad[50]:.3f} grouped; "
                      f"median pass {statistics.median(sec[0]):.2f} / {statistics.median(sec[50]):.2f} s"))
@@ -116,7 +108,7 @@ def main() -> None:
                     ((grouped, by_length(hold, bs)), (own, hold)):
                 which[0].append(eval_s(which[1]))
         real = sum(len(e.input_ids) for e in hold)
-        ev = _boot(np.array([s for s, _ in grouped]), np.array([s for s, _ in own]), rng)
+        ev = ratio_ci([s for s, _ in grouped], [s for s, _ in own])
         rows.append((f"half {i}: evaluation of {len(hold)} records, seconds by length / own order", ev,
                      f"computed / real tokens {own[0][1] / real:.3f} own order, {grouped[0][1] / real:.3f} by length"))
         eng.stop()

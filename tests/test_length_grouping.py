@@ -63,7 +63,7 @@ def test_no_micro_batch_straddles_two_groups_when_the_epoch_is_not_a_multiple():
         s = ExampleStream(exs, seed=seed, k=2, group=50)
         first = {tuple(e.input_ids[0] for e in s.take(2)) for _ in range(3)}
         assert first == pairs  # neighbours in length, never the leftover with another group's half
-        nxt = [e.input_ids[0] for _ in range(4) for e in s.take(2)]  # the leftover, regrouped with the next epoch
+        nxt = [e.input_ids[0] for _ in range(4) for e in s.take(2)]  # the leftover opens the next epoch
         assert Counter(nxt) == Counter([ranked[-1].input_ids[0]] + list(range(7)))
         out = by_length(exs, 2, seed=seed)
         assert out[-1] is ranked[-1]  # the short batch (the longest record) last

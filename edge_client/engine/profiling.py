@@ -31,7 +31,7 @@ from collm.edge_client.engine.requests import FinishEvent
 from collm.edge_client.engine.warmup import fastest
 from collm.edge_client.model.runner import Segment
 from collm.edge_client.model.sampling import SamplingParams, make_generator, sample_next
-from collm.edge_client.training.evaluation import EvalJob, by_length
+from collm.edge_client.training.evaluation import EvalJob
 from collm.edge_client.training.layerwise import timed_units
 
 SCHEMA = "collm-profile/1"
@@ -163,10 +163,9 @@ def measure_profile(engine, reps: int = 5, progress=print) -> dict:
                  f"{train['units']} units")
     if engine.holdout:
         w = engine.shadow.current
-        batch = by_length(engine.holdout, t.eval_batch_size)[: t.eval_batch_size]  # as evaluations batch them
-
-        def eval_pass():
-            return EvalJob(engine.parts, w, batch, len(batch), engine.tokenizer.pad_token_id, engine.device)._current()
+        def eval_pass():  # the first batch of a real evaluation (its examples grouped by length)
+            return EvalJob(engine.parts, w, engine.holdout, t.eval_batch_size, engine.tokenizer.pad_token_id,
+                           engine.device).new_pass()
 
         evaluation = _pass_times(eval_pass, max(2, reps // 2))
         evaluation.update(batch_size=t.eval_batch_size, records=len(engine.holdout))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from collm.common.step_cost import step_features
 from collm.edge_client.model.row_kernels import MAX_ROWS, onednn_linear, onednn_usable
 from collm.edge_client.model.runner import Segment
-from collm.edge_client.training.evaluation import EvalJob, by_length
+from collm.edge_client.training.evaluation import EvalJob
 from collm.edge_client.training.layerwise import timed_units
 
 log = logging.getLogger("collm.engine")
@@ -91,12 +91,9 @@ def warm_up(engine) -> None:
             _observe_pass(costs, "train", fastest_units(lambda: trainer.new_pass(
                 trainer.stream.peek(trainer.cfg.micro_batch_size))))
         if engine.holdout:
-            bs = engine.cfg.training.eval_batch_size
-            batch = by_length(engine.holdout, bs)[:bs]  # a batch as evaluations run them (grouped by length)
-
-            def eval_pass():
-                job = EvalJob(engine.parts, w, batch, len(batch), engine.tokenizer.pad_token_id, engine.device)
-                return job._current()
+            def eval_pass():  # the first batch of a real evaluation (its examples grouped by length)
+                return EvalJob(engine.parts, w, engine.holdout, engine.cfg.training.eval_batch_size,
+                               engine.tokenizer.pad_token_id, engine.device).new_pass()
 
             _observe_pass(costs, "eval", fastest_units(eval_pass))
     finally:

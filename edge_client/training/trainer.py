@@ -84,7 +84,7 @@ class ExampleStream:
         order = list(self.examples)
         self.rng.shuffle(order)
         lead, order = self._leftover_batch(order)
-        if self.group > 0 and self.k > 1:  # only the last window can end in a short group; the next refill regroups it
+        if self.group > 0 and self.k > 1:  # only the last window can end in a short group: the next epoch's leftover
             w = self.group * self.k
             order = [e for i in range(0, len(order), w) for e in grouped_by_length(order[i: i + w], self.k, self.rng)]
         self.buffer = lead + order
