@@ -107,6 +107,47 @@ def test_the_supernode_ends_when_its_host_process_is_killed():
             os.kill(supernode, signal.SIGKILL)
 
 
+# A host that starts a child whose graceful shutdown stalls: its SIGTERM handler never returns, as a flwr
+# shutdown stuck on a lock or a gRPC call would. Only the guard's exit after its grace can end it.
+_STALLING_CHILD = """\
+import signal, sys, time
+from collm.edge_client.federation.orphan_guard import guard
+signal.signal(signal.SIGTERM, lambda *_: time.sleep(3600))
+guard(int(sys.argv[1]), grace_s=float(sys.argv[2]), period_s=0.05)
+print("ready", flush=True)
+time.sleep(3600)
+"""
+_STALLING_HOST = """\
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid()), sys.argv[2]],
+                         stdout=subprocess.PIPE, text=True)
+child.stdout.readline()
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grace_s", [1.0, 3.0])
+def test_an_orphan_whose_shutdown_stalls_exits_after_the_grace(grace_s):
+    host = subprocess.Popen([sys.executable, "-c", _STALLING_HOST, _STALLING_CHILD, str(grace_s)],
+                            stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(host.stdout.readline())
+        host.kill()
+        host.wait()
+        killed = time.monotonic()
+        time.sleep(grace_s * 0.5)
+        assert _alive(child), "the stalled handler holds the orphan until the grace is over"
+        _wait_for(lambda: not _alive(child), timeout=grace_s + 5)
+        assert time.monotonic() - killed >= grace_s
+    finally:
+        host.kill()
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
 # ---------------------------------------------------------------------------- helpers
 def _wait_for(condition, timeout: float):
     deadline = time.monotonic() + timeout

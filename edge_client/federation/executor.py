@@ -44,24 +44,16 @@ _PROCESS_TASK_LOCK = threading.Lock()
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 
-# `flower-supernode`, run by this interpreter (so its flwr is ours), that shuts down as on
-# SIGTERM once the process that started it is gone, even after a SIGKILL: an orphaned
-# SuperNode would keep its node online with nobody answering its messages, and its port taken.
-# If its graceful shutdown has not ended the process 10 s later, it exits at once: while it
-# heartbeats, the server waits each phase's full timeout for a node that will never answer.
+# `flower-supernode`, run by this interpreter (so its flwr is ours), that shuts down once the process
+# that started it is gone, even after a SIGKILL (`orphan_guard`: SIGTERM, then an exit 10 s later):
+# an orphaned SuperNode would keep its node online with nobody answering its messages, and its port taken.
 # With a poll interval (the second argument; empty: flwr's own 3 s), the SuperNode's Fleet loop waits at
 # most that long for its next pull while it has no message (`fleet_wait.py`).
 _SUPERNODE_LAUNCHER = """\
-import os, signal, sys, threading, time
-parent = int(sys.argv.pop(1))
+import sys
+from collm.edge_client.federation.orphan_guard import guard
+guard(int(sys.argv.pop(1)))
 poll = sys.argv.pop(1)
-def watch_parent():
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    signal.raise_signal(signal.SIGTERM)
-    time.sleep(10)
-    os._exit(1)
-threading.Thread(target=watch_parent, daemon=True).start()
 if poll:
     from collm.edge_client.federation.fleet_wait import shorten_fleet_wait
     shorten_fleet_wait(float(poll))
