@@ -75,15 +75,23 @@ def test_the_run_survives_the_edge_and_completes_every_round(lab):
     assert lab["leftovers"] == []
 
 
+def lab_report(lab) -> dict:
+    """The lab's report; a lab that hung or failed before writing it fails the test with its own output."""
+    path = lab["out"] / "lab.json"
+    if not path.is_file():
+        pytest.fail(f"no lab.json (lab exit: {lab['rc']}); its output ends:\n{lab['stdout'][-4000:]}")
+    return json.loads(path.read_text())
+
+
 def test_every_request_is_answered_through_the_router(lab):
-    report = json.loads((lab["out"] / "lab.json").read_text())
+    report = lab_report(lab)
     load = report["load"]
     assert load["sent"] > 30 and load["failed"] == 0, load["failures"]
     assert "edge1" in load["edges_seen"]
 
 
 def test_the_restarted_edge_caught_up_and_took_part_again(lab):
-    report = json.loads((lab["out"] / "lab.json").read_text())
+    report = lab_report(lab)
     edge1 = report["edges"]["edge1"]
     sources = [h["source"] for h in edge1["history"]]
     # the restarted process restored its own last version, then caught up from the checkpoints or a round
