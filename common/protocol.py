@@ -65,6 +65,17 @@ VERSION_HEADER = "X-CoLLM-Adapter-Version"  # the adapter version the request wa
 EDGE_HEADER = "X-CoLLM-Edge"  # the edge that served it
 
 
+# The range each load-report value is clamped to (`LoadReport.from_record`); others: +-REPORT_MAX.
+REPORT_MAX = 1e12
+REPORT_BOUNDS: dict[str, tuple[float, float]] = {
+    "slo-attainment": (UNKNOWN, 1.0), "spare-capacity": (0.0, 1.0), "train-share": (0.0, 1.0),
+    "gain-per-ktok": (-1e3, 1e3), "budget-fill": (UNKNOWN, 1e3),
+    "adapter-version": (UNKNOWN, 2.0**31), "refused-version": (UNKNOWN, 2.0**31),
+    "request-rate": (0.0, 1e6), "queue-depth": (0.0, 1e6), "running": (0.0, 1e6), "goodput": (0.0, 1e6),
+    "train-examples": (0.0, 1e9), "train-tokens-per-s": (0.0, 1e9), "carried-tokens": (0.0, REPORT_MAX),
+}
+
+
 @dataclass(frozen=True)
 class LoadReport:
     """One edge's load report (its QUERY reply), the input of the server's workload balancer.
@@ -108,11 +119,16 @@ class LoadReport:
         """Parse a QUERY reply's MetricRecord; missing or non-finite values become unknown (or 0).
 
         Attainment is a fraction, so any negative value means unknown; a gain may be negative
-        (quality got worse), so only exactly UNKNOWN means unknown.
+        (quality got worse), so only exactly UNKNOWN means unknown. The report is an edge's word, so every
+        value is clamped to a range no honest edge leaves (`REPORT_BOUNDS`): a finite 1e300 would otherwise
+        overflow the balancer's weights to inf and NaN and end the ServerApp.
         """
         def num(key: str, default: float = 0.0) -> float:
             v = record.get(key, default)
-            return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else default
+            if not (isinstance(v, (int, float)) and math.isfinite(v)):
+                return default
+            lo, hi = REPORT_BOUNDS.get(key, (-REPORT_MAX, REPORT_MAX))
+            return min(max(float(v), lo), hi)
 
         attainment, gain = num("slo-attainment", UNKNOWN), num("gain-per-ktok", UNKNOWN)
         return cls(
@@ -123,5 +139,5 @@ class LoadReport:
             train_tokens_per_s=num("train-tokens-per-s"), goodput=num("goodput"),
             adapter_version=int(num(ADAPTER_VERSION, UNKNOWN)),
             refused_version=int(num("refused-version", UNKNOWN)), carried_tokens=int(num("carried-tokens")),
-            train_share=min(max(num("train-share"), 0.0), 1.0),
+            train_share=num("train-share"),
             budget_fill=fill if (fill := num("budget-fill", UNKNOWN)) >= 0 else None)

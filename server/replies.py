@@ -72,14 +72,17 @@ def with_weight(m: Message, weight: float) -> Message:
 
 
 def common_metric_keys(replies: list[Message], r: int) -> list[Message]:
-    """flwr's FedAvg rejects the whole round when MetricRecords differ in keys; keep the common ones."""
+    """flwr's FedAvg rejects the whole round when MetricRecords differ in keys, and its average raises (ending
+    the ServerApp) on a list beside a number or lists of unequal length: keep the keys every reply holds as a
+    number. The metrics are an edge's word; ours are all numbers."""
     records = [next(iter(m.content.metric_records.values())) for m in replies]
     common = set.intersection(*(set(rec.keys()) for rec in records))
+    common = {k for k in common if all(isinstance(rec[k], (int, float)) for rec in records)}
     if all(set(rec.keys()) == common for rec in records):
         return replies
     extra = sorted(set.union(*(set(rec.keys()) for rec in records)) - common)
-    log(WARNING, "round %d: replies differ in metric keys; averaging only the common ones (not: %s)",
-        r, ", ".join(extra))
+    log(WARNING, "round %d: replies differ in metric keys or hold lists; averaging only the numbers every reply "
+        "holds (not: %s)", r, ", ".join(extra))
     out = []
     for m, rec in zip(replies, records, strict=True):
         content = RecordDict({P.METRICS: MetricRecord({k: rec[k] for k in common})})

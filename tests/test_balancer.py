@@ -202,6 +202,19 @@ def test_the_load_report_carries_share_and_budget_fill_over_the_wire():
     assert hostile.train_share == 1.0 and hostile.budget_fill is None
 
 
+@pytest.mark.parametrize("huge", [{"gain-per-ktok": 1e300, "train-examples": 1e10},
+                                  {"gain-per-ktok": 1e308}, {"train-tokens-per-s": 1e308, "carried-tokens": 1e308},
+                                  {"gain-per-ktok": -1e308, "queue-depth": 1e308}])
+def test_a_report_with_huge_finite_values_cannot_break_the_balancer(huge):
+    """A finite 1e300 passed the non-finite filter and overflowed the weights to inf, then NaN shares (the
+    ServerApp ended on int(nan)); every value is now clamped to a range no honest edge leaves."""
+    hostile = LoadReport.from_record("evil", {**edge("evil", spare=0.5).to_record(), **huge})
+    decisions = balance([hostile, edge("a", spare=0.5), edge("b", spare=0.5)], P)
+    assert all(d.budget_tokens >= 0 for d in decisions)
+    assert sum(d.budget_tokens for d in decisions) <= P.round_token_budget + len(decisions)
+    assert all(math.isfinite(d.weight) and math.isfinite(d.cap_tokens) for d in decisions)
+
+
 # ------------------------------------------------------------------------------ partial participation
 def test_participants_wanted_counts_as_flower_does_with_a_floor():
     from collm.server.balancer import participants_wanted

@@ -57,6 +57,7 @@ class FakeEdge:
     scale_from_round: int | None = None  # from this round on, send 100x the honest update
     query_fails: bool = False
     extra_metric: bool = False
+    hostile_metrics: bool = False  # lists for its losses and huge finite numbers in its load report (an edge's word)
     train_configs: list[dict] = field(default_factory=list)
     train_arrays: list[dict] = field(default_factory=list)
     keyed_reply: bool = False  # reply with one Array per tensor (an older edge) instead of packed
@@ -74,10 +75,16 @@ class FakeEdge:
     evals: list[int] = field(default_factory=list)
 
     def report(self) -> MetricRecord:
-        return MetricRecord(LoadReport(
+        record = LoadReport(
             name=self.name, request_rate=2.0, slo_attainment=self.attainment, spare_capacity=self.spare,
             queue_depth=0.0, running=1.0, train_examples=100, gain_per_ktok=None, train_tokens_per_s=1000.0,
-            goodput=1.5, adapter_version=len(self.train_configs)).to_record())
+            goodput=1.5, adapter_version=len(self.train_configs)).to_record()
+        if self.hostile_metrics:
+            record |= {"gain-per-ktok": 1e300, "train-examples": 1e10, "train-tokens-per-s": 1e308}
+        return MetricRecord(record)
+
+    def loss(self, value: float) -> float | list[float]:
+        return [value, value, value] if self.hostile_metrics else value
 
     def delta(self) -> float:
         return 0.01 * (self.index + 1)
@@ -143,7 +150,7 @@ def _train(msg: Message, context: Context) -> Message:
         first = next(iter(local))
         local[first][0, 0] = np.nan
     examples = cfg[P.BUDGET_TOKENS] // 100 if edge.claims is None else edge.claims
-    metrics = MetricRecord({P.NUM_EXAMPLES: examples, P.TRAIN_LOSS: 2.0 - edge.delta(),
+    metrics = MetricRecord({P.NUM_EXAMPLES: examples, P.TRAIN_LOSS: edge.loss(2.0 - edge.delta()),
                             P.TRAIN_TOKENS: cfg[P.BUDGET_TOKENS], P.TRAIN_STEPS: 3, P.DEADLINE_HIT: 0,
                             P.SECONDS: 1.0, **({"extra": 1.0} if edge.extra_metric else {}),
                             **({P.LORA_ALPHA: edge.alpha} if P.LORA_ALPHA in cfg and edge.sends_alpha else {})})
@@ -160,7 +167,7 @@ def _evaluate(msg: Message, context: Context) -> Message:
     edge.evals.append(rnd)
     arrays = wire.unpack(msg.content[P.ARRAYS])
     mean_abs = float(np.mean([np.abs(v).mean() for v in arrays.values()])) if arrays else 0.0
-    metrics = MetricRecord({P.NUM_EXAMPLES: 16, P.EVAL_LOSS: 3.0 - mean_abs - 0.1 * edge.index,
+    metrics = MetricRecord({P.NUM_EXAMPLES: 16, P.EVAL_LOSS: edge.loss(3.0 - mean_abs - 0.1 * edge.index),
                             P.EVAL_ACCURACY: 0.5, P.ADAPTER_VERSION: float(0 if edge.refuses else rnd),
                             P.CANARY_REFUSED: int(edge.refuses)})
     return Message(RecordDict({P.METRICS: metrics, P.IDENTITY: _identity(edge)}), reply_to=msg)
@@ -481,6 +488,21 @@ def test_failed_load_report_and_differing_metric_keys(tmp_path):
     # slow's extra metric key would make flwr's FedAvg reject the round; only common keys are averaged
     assert sorted(ck.metrics["kept"]) == ["idle", "slow"] and "extra" not in ck.metrics["train_aggregate"]
     assert ck.metrics["train"]["slow"]["extra"] == 1.0
+
+
+def test_an_edge_with_list_metrics_and_a_huge_load_report_cannot_end_the_run(tmp_path):
+    """flwr's metric average raised on a list beside a number (train-loss, eval-loss), and a load report's
+    finite 1e300 overflowed the balancer to NaN: either ended the ServerApp. Now the round goes on, the edge's
+    update is kept, only its lists are left out of the averages, and its report is read clamped."""
+    grid = make_grid(slow={"attainment": 0.99, "hostile_metrics": True})
+    cfg = server_cfg(tmp_path, rounds=2)
+    build_strategy(cfg).start(grid, ArrayRecord(), num_rounds=2, timeout=30)
+    assert latest_complete_round(cfg.checkpoint_dir) == 2
+    ck = load_round(cfg.checkpoint_dir, 2)
+    assert "slow" in ck.metrics["kept"] and P.TRAIN_LOSS not in ck.metrics["train_aggregate"]
+    assert P.EVAL_LOSS not in ck.metrics["eval_aggregate"] and P.EVAL_ACCURACY in ck.metrics["eval_aggregate"]
+    decisions = {d["edge"]: d for d in ck.metrics["balancer"]}
+    assert all(d["budget_tokens"] >= 0 for d in decisions.values()) and decisions["slow"]["take_part"]
 
 
 def test_load_report_roundtrips_and_unknowns_parse_as_none():
