@@ -28,7 +28,8 @@ VALID_CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens"
 ODD_VALUES = [None, True, False, 0, -1, 1, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30, 1e308, -1e308, 0.5, -0.0,
               "", "x", "\ud800", "a" * 5000, "é🙂", [], [1], ["a", "b"], {}, {"a": 1}, [[[]]], "1e400"]
 RAW_BODIES = [b"", b"{", b"null", b"[]", b"42", b'"str"', b"\xff\xfe\x00", b'{"prompt": "\xff"}',
-              b'{"prompt": "hi", "max_tokens": 1e400}', b'{"prompt": "hi", "temperature": NaN}',
+              b'{"prompt": "hi", "max_tokens": 1e400}', b'{"prompt": "hi", "max_tokens": 1' + b"0" * 310 + b"}",
+              b'{"prompt": "hi", "slo": {"ttft_ms": 1' + b"0" * 310 + b"}}", b'{"prompt": "hi", "temperature": NaN}',
               b'{"prompt": "hi", "slo": {"ttft_ms": Infinity}}', b'{"prompt": "x"}' * 3]
 PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/v1/adapters",
          "/admin/train", "/admin/adapters", "/v1/nope", "/../etc/passwd", "/v1/completions/extra", "/%00"]

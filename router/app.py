@@ -67,6 +67,7 @@ log = logging.getLogger("collm.router")
 
 BEST_EFFORT_HEADER = "X-CoLLM-Best-Effort"  # "1"/"true": route even when no edge can meet the TTFT target
 FORWARDED_HEADERS = ("content-type", "accept")  # never the client's key: the router sends its own (edge_key)
+RETRY_AFTER_MAX_S = 60  # a 429's Retry-After is capped, as the edge caps its own
 
 
 def edge_verify(ca_file: str | None):
@@ -246,7 +247,8 @@ class Router(EdgeProxy):
         """429: even the soonest edge would give the request its first token after its target."""
         soon = d.soonest
         self.metrics.refused.inc()
-        retry = max(1, math.ceil(soon.ttft_s - soon.ttft_target_s))
+        late = soon.ttft_s - soon.ttft_target_s
+        retry = min(RETRY_AFTER_MAX_S, max(1, math.ceil(late))) if math.isfinite(late) else RETRY_AFTER_MAX_S
         msg = (f"no edge can start this request within its {soon.ttft_target_s:g} s TTFT target (soonest: "
                f"{soon.edge}, about {soon.ttft_s:.1f} s); retry after {retry} s, or send "
                f"{BEST_EFFORT_HEADER}: 1 to be served late")

@@ -13,6 +13,8 @@ from collm.router.config import RouterConfig
 from collm.router.policy import RequestView
 
 ROLE_MARKER_TOKENS = 8  # what the router guesses a chat message's template adds (it has no tokenizer)
+MAX_TOKENS = 2**31 - 1  # the most max_tokens the rule reads (an edge's own limit is far lower)
+MAX_TARGET_MS = 1e9     # the longest SLO target the rule reads (11 days)
 
 
 def request_view(body: object, chat: bool, cfg: RouterConfig, typical_output: float) -> tuple[RequestView, bool]:
@@ -35,13 +37,15 @@ def request_view(body: object, chat: bool, cfg: RouterConfig, typical_output: fl
         p = p[0] if isinstance(p, list) and p and isinstance(p[0], str) else p
         prompt_tokens = (math.ceil(len(p.encode("utf-8", "surrogatepass")) / r.chars_per_token)
                          if isinstance(p, str) else 1)
+    # JSON's integers are unbounded: a 300-digit one overflowed the rule's float arithmetic (a 500). A value out
+    # of range is the edge's to reject (400); the rule reads it as absent. Comparisons never overflow.
     m = body.get("max_tokens") or body.get("max_completion_tokens")
-    max_tokens = m if isinstance(m, int) and m > 0 else int(typical_output)
+    max_tokens = m if isinstance(m, int) and not isinstance(m, bool) and 0 < m <= MAX_TOKENS else int(typical_output)
     slo = body.get("slo") if isinstance(body.get("slo"), dict) else {}
 
-    def target(key: str) -> float | None:  # a bad value is the edge's to reject (400); the rule ignores it
+    def target(key: str) -> float | None:
         v = slo.get(key)
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_TARGET_MS  # NaN, inf: no
         return v / 1000 if ok else None
 
     view = RequestView(max(1, prompt_tokens), max_tokens, target("ttft_ms"), target("tpot_ms"),

@@ -218,6 +218,8 @@ def post(router, body, path="/v1/completions", **kw):
     ('{"prompt": "hi \\ud800", "max_tokens": 2}', 200),            # a lone surrogate in the text
     ('{"messages": [{"role": "user", "content": "\\ud800"}]}', 200),
     ('{"prompt": "x", "slo": {"ttft_ms": 1e400, "tpot_ms": -5}}', 200),  # an infinite target, a negative one
+    ('{"prompt": "x", "max_tokens": 1' + "0" * 310 + "}", 200),    # integers past any float (were a 500)
+    ('{"prompt": "x", "slo": {"ttft_ms": 1' + "0" * 310 + ', "tpot_ms": 5' + "0" * 400 + "}}", 200),
 ])
 def test_odd_bodies_reach_the_edge_and_its_answer_comes_back(router, raw, status):
     path = "/v1/chat/completions" if "messages" in raw[:20] else "/v1/completions"
