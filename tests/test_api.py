@@ -303,6 +303,28 @@ def test_queue_full_is_429_with_retry_after(tmp_path):
         e.close()
 
 
+def test_a_request_the_queue_has_no_room_for_is_refused_before_it_is_tokenized(tmp_path):
+    """The tokenizer's thread had no bound: every request was tokenized before the queue's check, so a flood
+    of large prompts delayed everyone's. Now the room counts requests in the tokenizer, and past it a request
+    is refused at once."""
+    cfg = tiny_config(state_dir=str(tmp_path), engine={"max_running": 1, "max_queue": 0, "shed_late": False})
+    e = LiveEdge(cfg)
+    try:
+        hold = threading.Thread(target=post, args=(e, "/v1/completions", {"prompt": "hold", "max_tokens": 400,
+                                                                          "temperature": 0, "ignore_eos": True}))
+        hold.start()
+        deadline = time.monotonic() + 30
+        while e.engine.queue_room() > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert e.engine.queue_room() == 0  # the one slot is taken and nothing may wait
+        r = post(e, "/v1/completions", {"prompt": "x" * 5000, "max_tokens": 2})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert "with those being tokenized" in r.json()["error"]["message"] and int(r.headers["Retry-After"]) >= 1
+        hold.join(60)
+    finally:
+        e.close()
+
+
 def test_openai_client_works_unchanged(edge):
     from openai import OpenAI
 

@@ -103,6 +103,10 @@ def test_prompts_and_stop_strings_are_bounded(edge):
     msgs = [{"role": "user", "content": "a" * 1500}, {"role": "user", "content": "b" * 600}]
     r = httpx.post(edge.url + "/v1/chat/completions", json={"messages": msgs}, headers=bearer(KEY))
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # many short messages: each counts what the chat template adds to it (they templated past the limit)
+    r = httpx.post(edge.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}] * 100},
+                   headers=bearer(KEY))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     r = httpx.post(edge.url + "/v1/completions", json={"prompt": "hi", "stop": ["x" * 257]}, headers=bearer(KEY))
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop" and "256" in r.json()["error"]["message"]
 

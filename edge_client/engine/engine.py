@@ -235,6 +235,11 @@ class Engine(StepRunner, BackgroundRunner):
     def free_slots(self) -> int:
         return self.pool.free_slots
 
+    def queue_room(self) -> int:
+        """How many more requests `submit` takes now before it answers QueueFull."""
+        with self._lock:
+            return self.core.max_queue + self.free_slots() - len(self.core.waiting) - len(self._incoming)
+
     def load(self) -> dict:
         """Requests and work queued on this replica now."""
         with self._lock:

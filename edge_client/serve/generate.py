@@ -30,6 +30,8 @@ from collm.edge_client.serve.errors import ApiError
 from collm.edge_client.serve.models import Choice, UnknownModel, resolve
 from collm.edge_client.serve.openai_schema import ChatRequest, CompletionRequest, _Common
 
+MESSAGE_CHARS = 32  # what a chat template adds per message (role markers), counted against api.max_prompt_chars
+
 
 def generation_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
     """/v1/completions and /v1/chat/completions; `engine()` is the app's gate (503 while loading or failed)."""
@@ -37,6 +39,7 @@ def generation_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
     # Tokenizing is linear in the prompt and holds the GIL in stretches: it runs on a thread of its own, so the
     # event loop keeps answering /health and streaming tokens meanwhile (one thread: the tokenizer is shared).
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="collm-tokenize")
+    in_tokenizer = 0  # requests handed to the tokenizer and not yet submitted (the event loop's own count)
     max_chars = rt.cfg.api.max_prompt_chars
 
     def _bounded(chars: int, param: str) -> None:
@@ -44,12 +47,25 @@ def generation_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
             raise ApiError(400, f"{param}: {chars} characters; this edge takes at most {max_chars} "
                                 f"(api.max_prompt_chars)", param=param, code="context_length_exceeded")
 
+    async def _tokenize(eng, fn, *args):
+        """`fn(*args)` on the tokenizer's thread, if the queue has room for the request once it is tokenized:
+        otherwise every client's request would wait behind a backlog that `engine.max_queue` never sees."""
+        nonlocal in_tokenizer
+        if in_tokenizer >= eng.queue_room():
+            raise _queue_full(eng, f"the queue is full ({eng.cfg.engine.max_queue} waiting requests, with those "
+                                   f"being tokenized)")
+        in_tokenizer += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
+        finally:
+            in_tokenizer -= 1
+
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         eng = engine()
         choice = _choose_model(eng, body)
         _bounded(len(body.prompt), "prompt")
-        ids = await asyncio.get_running_loop().run_in_executor(tokenizing, eng.tokenizer.encode, body.prompt)
+        ids = await _tokenize(eng, eng.tokenizer.encode, body.prompt)
         return await _generate(eng, ids, body, request, chat=False, choice=choice)
 
     @router.post("/v1/chat/completions")
@@ -57,13 +73,16 @@ def generation_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
         eng = engine()
         choice = _choose_model(eng, body)
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        _bounded(sum(len(m["content"]) for m in msgs), "messages")
+        # the template's markers count too: 65k empty messages fit a 1 MiB body and template to ~2M characters
+        _bounded(sum(len(m["content"]) + MESSAGE_CHARS for m in msgs), "messages")
 
         def template():
             return eng.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
 
         try:
-            out = await asyncio.get_running_loop().run_in_executor(tokenizing, template)
+            out = await _tokenize(eng, template)
+        except ApiError:
+            raise
         except Exception as e:  # noqa: BLE001 - the template rejected the conversation
             raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         ids = list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -101,9 +120,7 @@ def generation_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
         except UnknownVersion as e:  # dropped from retention between resolving and pinning
             raise _unknown_model(f"model '{choice.label}': {e}") from None
         except QueueFull as e:
-            retry = _retry_after(eng)
-            raise ApiError(429, f"{e}; retry after {retry} s", "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(retry)}) from None
+            raise _queue_full(eng, str(e)) from None
         except (ShuttingDown, EngineFailed) as e:
             raise ApiError(503, str(e), "service_unavailable") from None
         except PromptTooLong as e:
@@ -218,6 +235,12 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def _timings(ev: FinishEvent) -> dict:
     r = ev.record
     return {"ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "e2e_s": r.e2e_s, "slo_met": r.slo_met}
+
+
+def _queue_full(eng, why: str) -> ApiError:
+    retry = _retry_after(eng)
+    return ApiError(429, f"{why}; retry after {retry} s", "rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(retry)})
 
 
 def _retry_after(eng) -> int:
