@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 from pydantic import Field
@@ -33,6 +34,8 @@ log = logging.getLogger("collm.auth")
 
 class KeySource(Strict):
     """Where keys come from; every source given is used."""
+
+    secret: ClassVar[bool] = True  # a config error under it never echoes the value (common/config.py)
 
     keys: list[str] = Field(default_factory=list, description="keys written in the config")
     env: str | None = Field(None, description="environment variable holding comma-separated keys")

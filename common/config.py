@@ -95,6 +95,20 @@ def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return sorted(getattr(cls, "model_fields", {}))
 
 
+def _secret_at(model: type[BaseModel], loc: tuple) -> bool:
+    """Whether `loc` lies under a model that holds secrets (`secret = True`: keys, tokens), whose values a
+    config error must not echo into logs."""
+    cls: Any = model
+    for part in loc:
+        if getattr(cls, "secret", False) is True:
+            return True
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        cls = field.annotation
+    return getattr(cls, "secret", False) is True
+
+
 def format_validation_error(source: str, model: type[BaseModel], exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
@@ -105,7 +119,8 @@ def format_validation_error(source: str, model: type[BaseModel], exc: Validation
             lines.append(f"{source}: {path}: unknown key (allowed here: {allowed})")
             continue
         got = err.get("input")
-        shown = "" if isinstance(got, dict) else f", got {got!r}"
+        shown = "" if isinstance(got, dict) else (f", got a {type(got).__name__} (not shown: it may be a key)"
+                                                  if _secret_at(model, loc) else f", got {got!r}")
         lines.append(f"{source}: {path}: {_describe_expected(err)}{shown}")
     return "\n".join(lines)
 
@@ -135,7 +150,7 @@ def load_config(model: type[M], path: str | Path, overrides: dict[str, Any] | No
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise UserError(f"{p}{where}: YAML syntax error: {problem}") from None
-    if overrides:
+    if overrides and isinstance(data, dict | None):  # anything else gets validate_config's one-line error
         data = deep_merge(data or {}, overrides)
     return validate_config(model, data, str(p))
 

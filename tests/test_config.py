@@ -70,3 +70,26 @@ def test_validation_error_lists_every_problem(tmp_path):
     with pytest.raises(UserError) as e:
         load_config(EdgeConfig, p)
     assert "engine.max_running" in str(e.value) and "slo.tpot_ms" in str(e.value)
+
+
+@pytest.mark.parametrize("text, field", [
+    ("edge_key: sk-live-SECRET\n", "edge_key"),                                    # a key where a mapping goes
+    ("auth:\n  api_keys: [sk-live-SECRET]\n", "auth.api_keys"),
+    ("auth:\n  admin_tokens:\n    keys: sk-live-SECRET\n", "auth.admin_tokens.keys"),
+])
+def test_a_config_error_never_echoes_a_key(tmp_path, text, field):
+    from collm.router.config import RouterConfig
+
+    path = tmp_path / "router.yaml"
+    path.write_text("edges: [{name: e, url: 'http://127.0.0.1:1'}]\n" + text)
+    with pytest.raises(UserError) as err:
+        load_config(RouterConfig, path)
+    assert "SECRET" not in str(err.value) and f"{field}:" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "42\n"])
+def test_a_config_that_is_no_mapping_is_one_line_even_with_cli_overrides(tmp_path, text):
+    path = tmp_path / "edge.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match="expected a mapping of keys at the top level"):
+        load_config(EdgeConfig, path, {"api": {"port": 9000}})
