@@ -360,6 +360,10 @@ def test_admin_endpoints(tmp_path):
         view = post(e, "/admin/adapters", {"path": str(tmp_path / "ad")}).json()
         assert view["serving_version"] == 1 and view["source"] == "admin"
         assert post(e, "/admin/adapters", {"path": str(tmp_path / "nope")}).status_code == 400
+        for odd in ("a\u0000b", "\ud800"):  # a NUL byte, a lone surrogate: no path at all (were a 500)
+            r = httpx.post(e.url + "/admin/adapters", content=json.dumps({"path": odd}),  # escaped: \ud800 as text
+                           headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text
         bad_cfg = tmp_path / "bad-config"
         save_adapter(bad_cfg, random_adapter_state(e.engine, 4), e.engine.cfg.lora, "collm-tiny")
         (bad_cfg / "adapter_config.json").write_text("{not json")

@@ -82,7 +82,11 @@ def admin_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
     @router.post("/admin/adapters")
     async def admin_publish(body: AdminPublish):
         eng = admin()
-        path = Path(body.path).expanduser().resolve()  # checked and loaded: the same path, symlinks resolved
+        try:
+            path = Path(body.path).expanduser().resolve()  # checked and loaded: the same path, symlinks resolved
+        except (ValueError, OSError, RuntimeError) as e:  # a NUL byte, a lone surrogate, a symlink loop, ~nobody
+            raise ApiError(400, f"path: not a usable file path ({type(e).__name__}: {str(e)[:200]})",
+                           param="path") from None
         if rt.cfg.api.adapter_dir is not None and not _inside(str(path), rt.cfg.api.adapter_dir):
             raise ApiError(403, f"path: adapters load only from inside {rt.cfg.api.adapter_dir} (api.adapter_dir)",
                            "permission_error", param="path")
