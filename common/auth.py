@@ -60,6 +60,8 @@ class KeySource(Strict):
 class AuthConfig(Strict):
     """Bearer keys for the OpenAI API and a separate admin token (see collm.common.auth)."""
 
+    secret: ClassVar[bool] = True  # a key typed where this mapping goes must not be echoed either
+
     api_keys: KeySource = KeySource()
     admin_tokens: KeySource = KeySource()
     protect_health: bool = Field(False, description="also require an API key for /health and /metrics")

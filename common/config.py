@@ -14,7 +14,7 @@ Relative paths inside a config are resolved against the current working director
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -95,18 +95,25 @@ def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return sorted(getattr(cls, "model_fields", {}))
 
 
+def _models_in(annotation: Any) -> list:
+    """The classes an annotation names: itself, or the members of `X | None`, `list[X]` and the like."""
+    args = get_args(annotation)
+    return [c for a in args for c in _models_in(a)] if args else [annotation]
+
+
 def _secret_at(model: type[BaseModel], loc: tuple) -> bool:
     """Whether `loc` lies under a model that holds secrets (`secret = True`: keys, tokens), whose values a
     config error must not echo into logs."""
-    cls: Any = model
+    classes: list = [model]
     for part in loc:
-        if getattr(cls, "secret", False) is True:
+        if any(getattr(c, "secret", False) is True for c in classes):
             return True
-        field = getattr(cls, "model_fields", {}).get(part)
-        if field is None:
+        fields = [f for c in classes if (f := getattr(c, "model_fields", {}).get(part)) is not None]
+        if not fields and not isinstance(part, int):
             return False
-        cls = field.annotation
-    return getattr(cls, "secret", False) is True
+        if fields:  # an int part is a list index: the same classes go on
+            classes = [c for f in fields for c in _models_in(f.annotation)]
+    return any(getattr(c, "secret", False) is True for c in classes)
 
 
 def format_validation_error(source: str, model: type[BaseModel], exc: ValidationError) -> str:

@@ -246,8 +246,9 @@ class ApiConfig(Strict):
                                       "port can publish adapters")
     max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="a request body over this many bytes is "
                                 "answered 413 before it is read whole (common/http_guard.py)")
-    max_prompt_chars: int = Field(262_144, ge=1, description="a prompt (all messages together) over this many "
-                                  "characters is answered 400 before it is tokenized")
+    max_prompt_chars: int = Field(262_144, ge=1, description="a prompt (all messages together, each counting 32 "
+                                  "characters more for its template markers) over this many characters is answered "
+                                  "400 before it is tokenized")
     tls: ServerTls = Field(ServerTls(), description="serve HTTPS with this certificate (keys then never travel in "
                            "clear text; the router verifies it with proxy.ca_file)")
     adapter_dir: str | None = Field(None, description="/admin/adapters loads only from inside this directory (paths "

@@ -191,14 +191,17 @@ class Decision:
 
 
 OUTPUT_LEARN_WEIGHT = 0.1  # each finished request's weight in L, the typical output length
+MAX_LEARNED_OUTPUT = 1_000_000  # output tokens past any edge's context: a count above it is not learned
 
 
 def learn_output(typical: float, tokens: int | None) -> float:
     """L after a request finished with `tokens` output tokens: a moving average from the configured prior.
 
     The wait term counts L tokens per departure; a prior four times the traffic's outputs made the
-    cost model's term four times too slow. collm-router and collm-sim both learn L here."""
-    if not tokens or tokens < 0:
+    cost model's term four times too slow. collm-router and collm-sim both learn L here. The count is an
+    edge's word: one outside (0, MAX_LEARNED_OUTPUT] is not learned (a 300-digit one overflowed, a 1e300 one
+    made every later estimate refuse)."""
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 < tokens <= MAX_LEARNED_OUTPUT:
         return typical
     return (1 - OUTPUT_LEARN_WEIGHT) * typical + OUTPUT_LEARN_WEIGHT * tokens
 

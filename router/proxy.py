@@ -36,6 +36,7 @@ log = logging.getLogger("collm.router")
 ATTEMPTS_HEADER = "X-CoLLM-Router-Attempts"
 SOONEST_HEADER = "X-CoLLM-Soonest-TTFT"  # seconds: the slo rule's TTFT estimate on the soonest edge
 PASSED_HEADERS = ("content-type", VERSION_HEADER.lower(), EDGE_HEADER.lower(), "retry-after", "cache-control")
+MAX_REPORTED_TTFT_S = 1e6  # an edge's reported TTFT past this (or a 300-digit integer) is not learned from
 
 
 LOAD_429_CODES = ("queue_full", "slo_unattainable")  # an edge's 429s for its load (not a key's rate limit)
@@ -218,7 +219,7 @@ class EdgeProxy:
             tokens = body.get("usage", {}).get("completion_tokens")
         except (ValueError, AttributeError):
             return
-        if isinstance(ttft, (int, float)):
+        if isinstance(ttft, (int, float)) and not isinstance(ttft, bool) and 0 <= ttft <= MAX_REPORTED_TTFT_S:
             self.metrics.ttft_est.labels(edge.name).observe(est.ttft_s)
             self.metrics.ttft_obs.labels(edge.name).observe(ttft)
             self.admission.observe(time.monotonic(), float(ttft), est.ttft_target_s)
@@ -259,10 +260,12 @@ class EdgeProxy:
                 yield (b"" if watch.at_boundary else b"\n\n") + b"data: " + json.dumps(err).encode() + \
                     b"\n\ndata: [DONE]\n\n"
         finally:
-            self.metrics.responses.labels(edge.name, outcome).inc()
-            if outcome == "2xx":
-                if watch.first_token_s is not None:
-                    self.metrics.ttft_est.labels(edge.name).observe(est.ttft_s)
-                    self.metrics.ttft_obs.labels(edge.name).observe(watch.first_token_s)
-                self._learn_output(watch.completion_tokens)
-            await held.close()
+            try:
+                self.metrics.responses.labels(edge.name, outcome).inc()
+                if outcome == "2xx":
+                    if watch.first_token_s is not None:
+                        self.metrics.ttft_est.labels(edge.name).observe(est.ttft_s)
+                        self.metrics.ttft_obs.labels(edge.name).observe(watch.first_token_s)
+                    self._learn_output(watch.completion_tokens)
+            finally:
+                await held.close()  # the edge's slot and the upstream response, whatever the bookkeeping did

@@ -202,6 +202,12 @@ def test_the_load_report_carries_share_and_budget_fill_over_the_wire():
     assert hostile.train_share == 1.0 and hostile.budget_fill is None
 
 
+def test_every_load_report_key_has_its_own_bounds():
+    from collm.common.protocol import REPORT_BOUNDS
+
+    assert set(REPORT_BOUNDS) == set(LoadReport.keys())  # a renamed field must not fall back to +-1e12
+
+
 @pytest.mark.parametrize("huge", [{"gain-per-ktok": 1e300, "train-examples": 1e10},
                                   {"gain-per-ktok": 1e308}, {"train-tokens-per-s": 1e308, "carried-tokens": 1e308},
                                   {"gain-per-ktok": -1e308, "queue-depth": 1e308}])

@@ -135,9 +135,9 @@ def test_an_orphan_whose_shutdown_stalls_exits_after_the_grace(grace_s):
     child = None
     try:
         child = int(host.stdout.readline())
+        killed = time.monotonic()  # before the kill: the child may see its parent gone before wait() returns
         host.kill()
         host.wait()
-        killed = time.monotonic()
         time.sleep(grace_s * 0.5)
         assert _alive(child), "the stalled handler holds the orphan until the grace is over"
         _wait_for(lambda: not _alive(child), timeout=grace_s + 5)

@@ -373,6 +373,7 @@ def test_learn_output_moves_l_toward_what_finished_and_ignores_nothing_learned()
     from collm.router.policy import learn_output
     assert learn_output(64.0, 4) == pytest.approx(58.0)
     assert learn_output(64.0, None) == learn_output(64.0, 0) == learn_output(64.0, -5) == 64.0
+    assert learn_output(64.0, 10**310) == learn_output(64.0, 10**7) == learn_output(64.0, 3.5) == 64.0  # an edge's word
     typical = 64.0
     for _ in range(100):
         typical = learn_output(typical, 12)

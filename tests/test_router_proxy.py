@@ -165,8 +165,9 @@ class FakeEdge:
             if body.get("stream"):
                 return StreamingResponse(self.stream(mode, body.get("max_tokens", 5)), media_type="text/event-stream",
                                          headers=self.headers())
+            count, ttft = (10**310, 10**310) if mode == "huge_counts" else (2, 0.01)  # a hostile or broken edge
             return JSONResponse({"object": "text_completion", "choices": [{"text": f"hi from {self.name}"}],
-                                 "usage": {"completion_tokens": 2}, "collm": {"ttft_s": 0.01}},
+                                 "usage": {"completion_tokens": count}, "collm": {"ttft_s": ttft}},
                                 headers=self.headers())
 
         return app
@@ -181,8 +182,9 @@ class FakeEdge:
             yield "data: " + json.dumps({"choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}) + "\n\n"
             if mode == "die_mid_stream" and i == 2:
                 raise RuntimeError("scripted failure mid-stream")
+        count = 10**310 if mode == "huge_counts" else n
         yield "data: " + json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "length"}],
-                                     "usage": {"completion_tokens": n}}) + "\n\n"
+                                     "usage": {"completion_tokens": count}}) + "\n\n"
         yield "data: [DONE]\n\n"
 
     def start(self):
@@ -226,6 +228,22 @@ def test_odd_bodies_reach_the_edge_and_its_answer_comes_back(router, raw, status
     r = httpx.post(router.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code in (status, 404 if path.endswith("chat/completions") else status), r.text
     assert r.status_code < 500
+
+
+def test_an_edge_that_reports_300_digit_counts_cannot_break_the_router(router, fakes):
+    """The router learns the typical output and the TTFT from the edges' answers: a 300-digit count overflowed
+    into a 500, and on a stream left the edge's slot held (repeated, every client got 503)."""
+    for e in fakes:
+        e.mode = "huge_counts"
+    typical = router.router.typical_output
+    for stream in (False, True, False, True):
+        r = post(router, {"prompt": "hi", "max_tokens": 3, "stream": stream})
+        assert r.status_code == 200, r.text
+    router.wait_for(lambda: all(e.outstanding == 0 for e in router.router.edges), what="every slot given back")
+    assert router.router.typical_output == typical  # nothing learned from the hostile counts
+    for e in fakes:
+        e.mode = "ok"
+    assert post(router, {"prompt": "hi"}).status_code == 200  # routed on the same typical output as before
 
 
 def test_forwards_body_and_headers_and_names_the_edge(router, fakes):

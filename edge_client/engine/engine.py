@@ -238,7 +238,7 @@ class Engine(StepRunner, BackgroundRunner):
     def queue_room(self) -> int:
         """How many more requests `submit` takes now before it answers QueueFull."""
         with self._lock:
-            return self.core.max_queue + self.free_slots() - len(self.core.waiting) - len(self._incoming)
+            return self.core.queue_room(len(self.core.waiting) + len(self._incoming), self.free_slots())
 
     def load(self) -> dict:
         """Requests and work queued on this replica now."""

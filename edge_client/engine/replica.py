@@ -82,9 +82,13 @@ class ReplicaCore:
             self.log.append(decision)
 
     # ------------------------------------------------------------------ requests
+    def queue_room(self, queued: int, free_slots: int) -> int:
+        """How many more requests may wait: `engine.max_queue` beyond the free slots, less those queued."""
+        return self.max_queue + free_slots - queued
+
     def queue_full(self, queued: int, free_slots: int) -> bool:
-        """A new request is refused (429) when this many wait already (`engine.max_queue` beyond free slots)."""
-        return queued >= self.max_queue + free_slots
+        """A new request is refused (429) when no room is left."""
+        return self.queue_room(queued, free_slots) <= 0
 
     def prefill_s(self, prompt_tokens: int) -> float:
         """Predicted time to prefill a prompt alone: its chunks of at most the step token budget."""

@@ -42,9 +42,9 @@ def generation_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
     in_tokenizer = 0  # requests handed to the tokenizer and not yet submitted (the event loop's own count)
     max_chars = rt.cfg.api.max_prompt_chars
 
-    def _bounded(chars: int, param: str) -> None:
+    def _bounded(chars: int, param: str, counted: str = "") -> None:
         if chars > max_chars:
-            raise ApiError(400, f"{param}: {chars} characters; this edge takes at most {max_chars} "
+            raise ApiError(400, f"{param}: {chars} characters{counted}; this edge takes at most {max_chars} "
                                 f"(api.max_prompt_chars)", param=param, code="context_length_exceeded")
 
     async def _tokenize(eng, fn, *args):
@@ -74,7 +74,8 @@ def generation_routes(rt: EdgeRuntime, engine: Callable) -> APIRouter:
         choice = _choose_model(eng, body)
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         # the template's markers count too: 65k empty messages fit a 1 MiB body and template to ~2M characters
-        _bounded(sum(len(m["content"]) + MESSAGE_CHARS for m in msgs), "messages")
+        _bounded(sum(len(m["content"]) + MESSAGE_CHARS for m in msgs), "messages",
+                 f" ({len(msgs)} messages, each counting {MESSAGE_CHARS} for the template's markers)")
 
         def template():
             return eng.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
