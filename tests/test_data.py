@@ -1,5 +1,9 @@
 """Dolly records, category (non-IID) and IID partitions, holdout split, traces."""
 
+import pytest
+
+from collm.common.errors import UserError
+
 from collm.edge_client.config import DataConfig
 from collm.common.data import categories, format_example, load_records, partition_by_category, partition_iid, split_holdout
 from collm.edge_client.training.data import load_edge_data
@@ -58,3 +62,31 @@ def test_trace_loads_and_scales():
     assert max(r.prompt_tokens for r in fast) <= 64
     window = load_trace(scaling=TraceScaling(duration_s=60))
     assert abs(mean_rate(fast) - 2 * mean_rate(window)) < 1e-6 * mean_rate(fast)
+
+
+@pytest.mark.parametrize("body, said", [
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374\n", "bad row: TypeError"),   # short row
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n,374,20\n", "bad row"),                                 # no time
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,37\xff4,2\n", "not UTF-8"),
+])
+def test_a_trace_with_bad_rows_is_a_one_line_error_naming_the_line(tmp_path, body, said):
+    p = tmp_path / "trace.csv"
+    p.write_bytes(body.encode("latin-1"))  # \xff: a byte that is no UTF-8
+    with pytest.raises(UserError, match=said):
+        load_trace(p)
+
+
+def test_a_trace_saved_with_a_byte_order_mark_loads(tmp_path):
+    p = tmp_path / "trace.csv"
+    p.write_text("\ufeffTIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,20\n"
+                 "2023-11-16 18:15:47.68,100,10\n", encoding="utf-8")
+    assert [r.prompt_tokens for r in load_trace(p)] == [374, 100]
+
+
+@pytest.mark.parametrize("line, said", [('[1, 2]', "a record is a JSON object"),
+                                        ('{"instruction": "a", "response": "b", "category": 7}', "are strings")])
+def test_a_record_that_is_no_object_is_a_one_line_error(tmp_path, line, said):
+    p = tmp_path / "records.jsonl"
+    p.write_text(line + "\n")
+    with pytest.raises(UserError, match=said):
+        load_records(p)
