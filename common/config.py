@@ -146,10 +146,14 @@ def validate_config(model: type[M], data: Any, source: str) -> M:
 def load_config(model: type[M], path: str | Path, overrides: dict[str, Any] | None = None) -> M:
     """Read a YAML file into `model`; raise UserError with one line per problem."""
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{p}: is a folder; give the config file in it (e.g. {p / 'edge.yaml'})")
     if not p.is_file():
         raise UserError(f"{p}: config file not found")
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"{p}: cannot read the config ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise UserError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason}); save the config as UTF-8") from None
     except yaml.YAMLError as e:
@@ -160,6 +164,25 @@ def load_config(model: type[M], path: str | Path, overrides: dict[str, Any] | No
     if overrides and isinstance(data, dict | None):  # anything else gets validate_config's one-line error
         data = deep_merge(data or {}, overrides)
     return validate_config(model, data, str(p))
+
+
+def check_writable_file(path: str | Path, field: str) -> Path:
+    """Prove `path` can be written now (a file, or none yet, in a folder this user can write), not after minutes
+    of work whose result would then be lost."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise UserError(f"{field} {p}: is a folder; give a file name in it")
+    if not p.parent.is_dir():
+        raise UserError(f"{field} {p}: the folder {p.parent} does not exist")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+        if not existed:
+            p.unlink()
+    except OSError as e:
+        raise UserError(f"{field} {p}: cannot write it ({e.strerror or e})") from None
+    return p
 
 
 def check_writable_dir(path: str | Path, field: str) -> Path:

@@ -104,8 +104,8 @@ def serve(cfg: EdgeConfig) -> int:
 def write_profile(cfg: EdgeConfig, out: str, reps: int) -> int:
     """Load the model and data, measure the replica's costs (`engine.profiling`), write them as JSON."""
     import json
-    from pathlib import Path
 
+    from collm.common.config import check_writable_file
     from collm.common.errors import UserError
     from collm.edge_client.engine import Engine
     from collm.edge_client.engine.profiling import measure_profile
@@ -114,9 +114,7 @@ def write_profile(cfg: EdgeConfig, out: str, reps: int) -> int:
 
     if reps < 1:
         raise UserError(f"--profile-reps: expected at least 1, got {reps}")
-    path = Path(out)
-    if not path.parent.is_dir():
-        raise UserError(f"--profile {out}: the folder {path.parent} does not exist")
+    path = check_writable_file(out, "--profile")
     lm = load_model(cfg.model)
     engine = Engine(lm, cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"warmup": False})}),
                     load_edge_data(cfg.data))

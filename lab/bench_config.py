@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -102,11 +102,14 @@ class CapacityConfig(Strict):
     target_attainment: float = Field(0.9, gt=0, le=1)
 
 
+LoadFraction = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # a point's rate over capacity: 0 has no arrivals
+
+
 class LoadConfig(Strict):
     """The load points every mode replays: the same arrivals at each point for every mode."""
 
-    fractions: list[float] = Field(default_factory=lambda: [0.2, 0.5, 0.8, 1.0, 1.2], min_length=1,
-                                   description="offered load as fractions of serve-only's capacity")
+    fractions: list[LoadFraction] = Field(default_factory=lambda: [0.2, 0.5, 0.8, 1.0, 1.2], min_length=1,
+                                          description="offered load as fractions of serve-only's capacity")
     seconds: float = Field(120.0, gt=0, description="seconds of arrivals per point ...")
     min_requests: int = Field(40, ge=1, description="... or more, until the point has this many requests")
     drain_s: float = Field(5.0, ge=0, description="pause between points (queues empty, training resumes)")

@@ -53,9 +53,19 @@ def make_certs(out: str | Path, edges: list[str] | tuple[str, ...] = DEFAULT_EDG
     out.mkdir(parents=True, exist_ok=True)
     want_sans = _parse_sans([*DEFAULT_SANS, *sans])
     ca_crt, ca_key_path = out / "ca.crt", out / "ca.key"
+    if days < 1:
+        raise UserError(f"--days {days}: give a lifetime of at least 1 day")
     if ca_crt.is_file() and ca_key_path.is_file():
-        ca_cert = x509.load_pem_x509_certificate(ca_crt.read_bytes())
-        ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
+        try:
+            ca_cert = x509.load_pem_x509_certificate(ca_crt.read_bytes())
+            ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
+        except (ValueError, TypeError) as e:
+            raise UserError(f"{out}: ca.crt / ca.key are not a PEM certificate and unencrypted key ({e}); remove "
+                            f"them to make a new CA (every certificate it signed must then be made again)") from None
+        expires = ca_cert.not_valid_after_utc  # cryptography >= 42; flwr 1.42 pins 50
+        if expires <= _now():
+            raise UserError(f"{ca_crt}: the CA expired on {expires:%Y-%m-%d}; remove ca.crt and ca.key from {out} "
+                            f"to make a new one (and make every certificate again)")
     else:
         ca_cert, ca_key = _make_ca(days)
         _write(ca_key_path, _pem_key(ca_key), private=True)
@@ -249,9 +259,15 @@ def _wait_for_control_api(superlink: str, root_certificates: str | Path, wait_s:
         raise UserError(f"{root_certificates}: CA certificate not found")
     deadline = time.monotonic() + wait_s
     last = ""
+    import ssl
+
+    try:
+        context = _ssl_context(ca)
+    except (ssl.SSLError, ValueError) as e:
+        raise UserError(f"--root-certificates {root_certificates}: not a PEM CA certificate ({e})") from None
     while True:
         try:
-            if httpx.get(f"https://{superlink}/health", verify=_ssl_context(ca), timeout=3).status_code == 200:
+            if httpx.get(f"https://{superlink}/health", verify=context, timeout=3).status_code == 200:
                 break
             last = "no 200 from /health"
         except httpx.HTTPError as e:

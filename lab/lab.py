@@ -139,7 +139,7 @@ def server_config(args, out: Path, edges: list[EdgeConfig], keys: dict[str, Path
     if args.round_deadline:
         overrides["balancer"]["round_deadline_s"] = args.round_deadline
         overrides["round_timeout_s"] = round_timeout_for(args.round_deadline)
-    if args.round_tokens:
+    if args.round_tokens is not None:
         overrides["balancer"]["round_token_budget"] = args.round_tokens
     if keys:
         overrides["federation_key"] = {"file": str(keys["federation"])}

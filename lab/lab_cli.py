@@ -102,8 +102,8 @@ def check_args(args) -> None:
         raise UserError(f"--edges {args.edges}: give 1 to 8 (the Dolly subset has 8 categories, one group per edge)")
     if args.rounds < 1:
         raise UserError(f"--rounds {args.rounds}: give at least 1")
-    if args.load < 0:
-        raise UserError(f"--load {args.load:g}: requests per second cannot be negative")
+    if not 0 <= args.load <= 1e4:  # NaN fails too
+        raise UserError(f"--load {args.load:g}: give 0 to 10000 requests per second")
     if args.eval_records is not None and args.eval_records < 1:
         raise UserError(f"--eval-records {args.eval_records}: give at least 1")
     if args.round_deadline is not None and args.round_deadline <= 0:
@@ -112,6 +112,8 @@ def check_args(args) -> None:
         raise UserError(f"--ranks: give one rank per edge ({args.edges}), got {len(args.ranks)}")
     if args.quantization and len(args.quantization) != args.edges:
         raise UserError(f"--quantization: give one precision per edge ({args.edges}), got {len(args.quantization)}")
+    if args.round_tokens is not None and args.round_tokens < 1:
+        raise UserError(f"--round-tokens {args.round_tokens}: give at least 1 token per round")
     if args.linger < 0:
         raise UserError(f"--linger {args.linger:g}: give 0 or more seconds")
     if args.prometheus:

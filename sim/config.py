@@ -7,14 +7,14 @@ simulation has (profiles and device mix, fleet sizes, the quality curve, network
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from collm.common.config import Strict
 from collm.edge_client.config import FeedbackConfig
-from collm.lab.bench_config import (MODES, CapacityConfig, FederationBudget, LoadConfig, Mode, TraceConfig,
-                                    check_modes)
+from collm.lab.bench_config import (MODES, CapacityConfig, FederationBudget, LoadConfig, LoadFraction, Mode,
+                                    TraceConfig, check_modes)
 from collm.router.config import AdmissionFeedback, RoutingConfig, check_margins
 
 
@@ -111,8 +111,9 @@ class RouterSim(Strict):
 
 
 class SweepConfig(Strict):
-    fleet_sizes: list[int] = Field(default_factory=lambda: [10, 100, 1000], description="edges per run of the sweep")
-    fractions: list[float] = Field(default_factory=lambda: [0.3, 0.8, 1.0], min_length=1)
+    fleet_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [10, 100, 1000], min_length=1,
+                                                            description="edges per run of the sweep")
+    fractions: list[LoadFraction] = Field(default_factory=lambda: [0.3, 0.8, 1.0], min_length=1)
     seeds: int = Field(1, ge=1, description="runs per fleet size (different arrivals and noise)")
     max_requests: int | None = Field(60000, ge=100, description="at most this many requests per probe and point "
                                      "(a large fleet replays a shorter stretch of arrivals)")
@@ -150,10 +151,12 @@ class SimConfig(Strict):
     sweep: SweepConfig | None = Field(None, description="also run every fleet size of the sweep")
     warmup_s: float = Field(30.0, ge=0, description="simulated seconds before the first point (rounds start)")
     bootstrap: int = Field(2000, ge=100)
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     out: str = "runs/sim"
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
         check_modes(self.co_schedule, self.busy_share, self.modes, self.edges, "edges")
+        for n in self.sweep.fleet_sizes if self.sweep else []:
+            check_modes(self.co_schedule, self.busy_share, self.modes, n, f"sweep.fleet_sizes ({n})")
         return self

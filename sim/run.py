@@ -212,14 +212,14 @@ def profile_bench_edge(bench_yaml: str, out: str, reps: int, alone: bool = False
     import subprocess
     import tempfile
 
-    from collm.common.config import load_config
+    from collm.common.config import check_writable_file, load_config
     from collm.common.procs import BIN_DIR
     from collm.lab.bench import ModeRun
     from collm.lab.bench_config import BenchConfig
     from collm.lab.topology import write_config
 
     bench = load_config(BenchConfig, bench_yaml)
-    target = Path(out).resolve()
+    target = check_writable_file(out, "--profile-bench OUT.json").resolve()
     with tempfile.TemporaryDirectory(prefix="collm-profile-") as tmp:
         edges = ModeRun(bench, "collm", Path(tmp)).edges
         procs = []
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from collm.common.config import load_config
+    from collm.common.config import check_writable_dir, load_config
     from collm.lab.bench_report import write_report
 
     args = build_parser().parse_args(argv)
@@ -263,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         return profile_bench_edge(*args.profile_bench, args.profile_reps, args.alone)
     over = {k: v for k, v in (("out", args.out), ("edges", args.edges)) if v is not None}
     cfg = load_config(SimConfig, args.config, over or None)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_writable_dir(cfg.out, "out")  # before the run, not when its report is written
     t0 = time.perf_counter()
     sweep = cfg.sweep if not args.no_sweep else None
     total = len(cfg.modes) + (1 if "serve-only" not in cfg.modes else 0)

@@ -567,3 +567,14 @@ def test_tls_profile_services_run_natively_and_complete_a_round(tmp_path, monkey
     finally:
         lab.stop()
     assert not processes_mentioning(str(tmp_path))
+
+
+def test_bad_certificate_inputs_are_one_line_errors(tmp_path):
+    from collm.common.errors import UserError
+
+    with pytest.raises(UserError, match="--days -1: give a lifetime of at least 1 day"):
+        make_certs(tmp_path / "a", ["edge1"], days=-1)
+    make_certs(tmp_path / "b", ["edge1"])
+    (tmp_path / "b" / "ca.key").write_text("not a key")
+    with pytest.raises(UserError, match="are not a PEM certificate and unencrypted key"):
+        make_certs(tmp_path / "b", ["edge2"])

@@ -95,3 +95,19 @@ def test_a_config_that_is_no_mapping_is_one_line_even_with_cli_overrides(tmp_pat
     path.write_text(text)
     with pytest.raises(UserError, match="expected a mapping of keys at the top level"):
         load_config(EdgeConfig, path, {"api": {"port": 9000}})
+
+
+def test_a_config_path_that_is_a_folder_says_so(tmp_path):
+    with pytest.raises(UserError, match="is a folder; give the config file in it"):
+        load_config(EdgeConfig, tmp_path)
+
+
+def test_an_output_file_is_checked_before_the_work_that_writes_it(tmp_path):
+    from collm.common.config import check_writable_file
+
+    with pytest.raises(UserError, match="--profile .*: is a folder; give a file name in it"):
+        check_writable_file(tmp_path, "--profile")  # `--profile runs/` profiled for minutes, then IsADirectoryError
+    with pytest.raises(UserError, match="the folder .* does not exist"):
+        check_writable_file(tmp_path / "none" / "p.json", "--profile")
+    assert check_writable_file(tmp_path / "p.json", "--profile") == tmp_path / "p.json"
+    assert not (tmp_path / "p.json").exists()  # the probe leaves nothing behind

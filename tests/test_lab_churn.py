@@ -177,6 +177,8 @@ def test_partial_participation_ffa_and_dp_hold_in_every_round(lab):
     (["--leave", "edge0@x"], "--leave edge0@x: give EDGE@ROUND with ROUND from 1 to --rounds 3"),
     (["--join", "edge0@3", "--leave", "edge0@2"], "--leave edge0@2: it joins at round 3; leave later than that"),
     (["--join", "edge1@2", "--no-router"], "--join/--leave need the router"),
+    (["--load", "nan"], "--load nan: give 0 to 10000 requests per second"),
+    (["--round-tokens", "0"], "--round-tokens 0: give at least 1 token per round"),  # was silently ignored
 ])
 def test_bad_churn_arguments_are_one_line_errors_before_anything_starts(tmp_path, extra, message):
     proc = subprocess.run([str(BIN / "collm-lab"), "--edges", "3", "--rounds", "3", *extra, "--out", str(tmp_path / "o")],

@@ -443,3 +443,14 @@ def test_estimate_terms_probe_records_the_estimate_admission_judged_and_each_ter
     assert all(e[guard_off] <= e[routed] + 1e-12 for e in w.estimates.values())
     assert any(e[guard_off] < e[routed] for e in w.estimates.values())  # the guard bound at least once
     assert all(g >= 1 and 0 <= b <= 1 for gb in w.stretch.values() for g, b in gb)
+
+
+@pytest.mark.parametrize("over, said", [({"seed": -1}, "seed"), ({"sweep": {"fleet_sizes": [0]}}, "fleet_sizes"),
+                                        ({"sweep": {"fleet_sizes": [10, 15]}}, r"sweep.fleet_sizes \(15\) must be even"),
+                                        ({"load": {"fractions": [0, 0.8]}}, "load.fractions")])
+def test_sim_settings_that_would_fail_late_are_config_errors(over, said):
+    from collm.common.config import validate_config
+    from collm.sim.config import SimConfig
+
+    with pytest.raises(UserError, match=said):
+        validate_config(SimConfig, over, "sim.yaml")
