@@ -31,6 +31,7 @@ report.md and plots, and results.partial.json after each mode.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -45,6 +46,7 @@ import yaml
 
 from collm.common import metric_names as M
 from collm.common.config import deep_merge
+from collm.common.durable import write_atomic
 from collm.common.data import categories, load_records, partition_by_category
 from collm.common.errors import UserError, cli_entry
 from collm.common.procs import BIN_DIR
@@ -55,7 +57,7 @@ from collm.lab.bench_quality import QualityJudge, served_loss_timeline
 from collm.lab.bench_workload import Workload, window_of
 from collm.lab.loadgen import Outcome, Planned, replay, summarize
 from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
-                                prepare_out, replica_cores, start_router, wait_http, write_config)
+                                prepare_out, replica_cores, repo_file, start_router, wait_http, write_config)
 from collm.router.state import parse_prometheus
 from collm.server.config import round_timeout_for
 from collm.common.rounds import complete_rounds, read_status
@@ -130,7 +132,7 @@ class ModeRun:
         """The ServerApp's config: configs/server.yaml with the bench's federation settings, the variant's last."""
         f = self.cfg.federation
         trainers = [e for e, role in zip(self.edges, self.roles) if "train" in role]
-        server = yaml.safe_load(Path("configs/server.yaml").read_text())
+        server = yaml.safe_load(repo_file("configs/server.yaml").read_text())
         server.update({"rounds": f.rounds, "min_nodes": len(trainers), "checkpoint_dir": str(self.ckpt_dir),
                        "round_timeout_s": round_timeout_for(f.round_deadline_s), "query_timeout_s": 60,
                        "base_model_name": base_model, "lora": trainers[0].lora.model_dump()})
@@ -235,8 +237,10 @@ def find_capacity(run: ModeRun, work: Workload, cfg: BenchConfig, bar) -> dict:
 
 # ----------------------------------------------------------------------------- one mode
 def run_mode(cfg: BenchConfig, mode: str, out: Path, work: Workload, plans: list[tuple[float, list[Planned]]] | None,
-             judge: QualityJudge, base_loss: float, bar) -> dict:
-    """Start the mode's topology, (serve-only without a fixed capacity: find it), replay every load point."""
+             judge: QualityJudge, base_loss: float, bar, on_point=lambda progress: None) -> dict:
+    """Start the mode's topology, (serve-only without a fixed capacity: find it), replay every load point.
+    `on_point(progress)` gets what is finished so far (the capacity, the points) after the capacity and after each
+    point, so an interrupted run keeps it."""
     run = ModeRun(cfg, mode, out)
     result: dict = {"mode": mode, "replicas": cfg.replicas, "roles": dict(zip((e.name for e in run.edges), run.roles))}
     t_start = time.time()
@@ -249,6 +253,7 @@ def run_mode(cfg: BenchConfig, mode: str, out: Path, work: Workload, plans: list
                     "target_attainment": cfg.capacity.target_attainment} if cfg.capacity.rate
                    else find_capacity(run, work, cfg, bar))
             result["capacity"] = cap
+            on_point({"mode": mode, "capacity": cap, "points": []})
             plans = [(f, work.plan(work.segment(f * cap["rate"], cfg.load.seconds, cfg.load.min_requests),
                                    run.model_id)) for f in cfg.load.fractions]
         result["plans"] = plans
@@ -258,6 +263,7 @@ def run_mode(cfg: BenchConfig, mode: str, out: Path, work: Workload, plans: list
             bar.set_postfix_str(f"{mode} {f:g}x")
             p = measure(run, plan, cfg, {"fraction": f})
             points.append(p)
+            on_point({"mode": mode, "capacity": result.get("capacity"), "points": points})
             bar.update(1)
             bar.write(f"  {mode} {f:g}x capacity ({p['rate']:.3f} req/s, {p['requests']} requests): goodput "
                       f"{p['goodput_rps']:.3f} req/s, attainment {p['slo_attainment']:.3f} "
@@ -276,6 +282,26 @@ def run_mode(cfg: BenchConfig, mode: str, out: Path, work: Workload, plans: list
     result["served_loss"] = served_loss_timeline(judge, run, t_start, base_loss)
     result["final_loss"] = result["served_loss"][-1]["loss"]
     return result
+
+
+def check_mode_configs(cfg: BenchConfig) -> None:
+    """Every mode's edge, server and router configs (the variants' settings merged in), validated before anything
+    runs: a typo in a variant is one line now, not a failed start after serve-only's capacity search."""
+    import tempfile
+
+    from collm.common.config import validate_config
+    from collm.router.config import RouterConfig
+    from collm.server.config import ServerConfig
+
+    with tempfile.TemporaryDirectory(prefix="collm-bench-check-") as tmp:
+        for mode in dict.fromkeys(cfg.modes):
+            run = ModeRun(cfg, mode, Path(tmp) / mode)  # builds and validates each edge's config
+            if run.trains:
+                validate_config(ServerConfig, run.server_config(run.base_model), f"{mode}'s server config")
+            routing = deep_merge({"routing": {"policy": router_policy(mode, cfg.collm_routing)}},
+                                 variant_of(mode, cfg.variants).router)
+            validate_config(RouterConfig, {**routing, "edges": [{"name": "e", "url": "http://127.0.0.1:1"}]},
+                            f"{mode}'s router config")
 
 
 def run_order(modes: list[str], order: str, drift_check: bool) -> list[str]:
@@ -317,9 +343,18 @@ def replot(results_path: str, out: str | None, overwrite: bool) -> int:
         raise UserError(f"--replot: cannot read {results_path}: {e}") from None
     if not isinstance(results, dict) or not isinstance(results.get("modes"), dict) or "config" not in results:
         raise UserError(f"--replot: {results_path} is not a finished collm-bench run's results (no modes / config)")
-    if not results["modes"]:
-        raise UserError(f"--replot: {results_path} has no finished mode (a results.partial.json?): give the run's "
-                        "results.json")
+    if not results["modes"]:  # an interrupted run's results.partial.json: its finished modes, pooled as at the end
+        if not isinstance(results.get("passes"), dict) or not any(results["passes"].values()):
+            raise UserError(f"--replot: {results_path} has no finished mode yet (an interrupted run keeps its "
+                            "finished points under in_progress, but a mode is drawn only once it has run all of them)")
+        try:
+            results["passes"] = {m: rs for m, rs in results["passes"].items() if rs}
+            combine_passes(results, BenchConfig.model_validate(results["config"]))
+        except Exception as e:  # noqa: BLE001 - a partial file of another version: one line
+            raise UserError(f"--replot: cannot pool the finished modes of {results_path} ({type(e).__name__}: "
+                            f"{e})") from None
+        print(f"collm-bench: {results_path} is an interrupted run's; drawing its finished modes: "
+              f"{', '.join(results['modes'])}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:  # drawn aside first: a results file that fails leaves no folder
         try:
             write_report(results, Path(tmp))
@@ -337,6 +372,17 @@ def interrupt_on_signal(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def _say_where_on_interrupt(partial: Path):
+    try:
+        yield
+    except KeyboardInterrupt:
+        if partial.is_file():
+            print(f"\ncollm-bench: interrupted; what finished is in {partial} (`collm-bench --replot {partial} --out "
+                  f"DIR` draws the finished modes)", file=sys.stderr, flush=True)
+        raise
+
+
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
@@ -348,8 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot is not None:
         return replot(args.replot, args.out, args.overwrite)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, interrupt_on_signal)  # SIGTERM stops the mode's processes, like ^C
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the mode's processes, like ^C (SIGHUP: a closed terminal)
+            signal.signal(sig, interrupt_on_signal)
     cfg = load_config(BenchConfig, args.config, {"out": args.out} if args.out else None)
+    check_mode_configs(cfg)
     out = prepare_out(Path(cfg.out), args.overwrite)
     work = Workload(cfg)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -363,12 +411,20 @@ def main(argv: list[str] | None = None) -> int:
                      "passes": {}}
     plans = None
     runs = run_order(modes, cfg.order, cfg.drift_check)
+    partial = out / "results.partial.json"
+
+    def keep(progress: dict | None = None) -> None:
+        """The finished modes and, with `progress`, the mode in progress (its capacity, its finished points):
+        an interrupted run loses nothing that finished, and `--replot` draws its finished modes."""
+        data = {**results, "in_progress": progress} if progress else results
+        write_atomic(partial, json.dumps(data, indent=1, default=str), sync_dir=False)
+
     with tqdm(total=len(runs) * len(cfg.load.fractions), desc="collm-bench", unit="point", file=sys.stdout,
-              dynamic_ncols=True) as bar:
+              dynamic_ncols=True) as bar, _say_where_on_interrupt(partial):
         for mode in runs:
             passes = results["passes"].setdefault(mode, [])
             where = out / (mode if not passes else f"{mode}-pass{len(passes) + 1}")
-            r = run_mode(cfg, mode, where, work, plans, judge, base_loss, bar)
+            r = run_mode(cfg, mode, where, work, plans, judge, base_loss, bar, on_point=keep)
             plans = r.pop("plans")
             if "capacity" in r:
                 results["capacity"] = r.pop("capacity")  # serve-only's first pass: every ratio's baseline
@@ -378,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.write(f"  {mode} (pass {len(passes)}): max rate at >= {cfg.capacity.target_attainment:.0%} "
                       f"attainment {r['max_rate']:.3f} req/s, rounds {r['rounds_completed']}, served loss "
                       f"{r['served_loss'][0]['loss']:.4f} -> {r['final_loss']:.4f}")
-            (out / "results.partial.json").write_text(json.dumps(results, indent=1, default=str))
+            keep()
     combine_passes(results, cfg)
     results["wall_s"] = round(time.time() - t0, 1)
     paths = write_report(results, out)

@@ -33,6 +33,18 @@ BASE_MODEL_NAMES = {"tiny": "collm-tiny", "bundled": "smollm2-135m-instruct"}
 COORDINATOR_NICE = 10
 
 
+def repo_file(rel: str) -> Path:
+    """A file of the CoLLM checkout the lab tools run in (`configs/...`): from the current folder, else beside the
+    installed package's data (an editable install's checkout), so a run started elsewhere finds it too."""
+    from collm.data import DATA_DIR
+
+    for root in (Path.cwd(), DATA_DIR.parent):
+        if (root / rel).is_file():
+            return root / rel
+    raise UserError(f"{rel}: not found in {Path.cwd()} nor in {DATA_DIR.parent}; run the lab tools from the "
+                    "CoLLM repository root")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:
@@ -53,7 +65,7 @@ def edge_config(model: str, name: str, out: Path, *, categories: list[str], supe
                 overrides: dict | None = None) -> EdgeConfig:
     """The config of one edge of a local topology: `model`'s base config, its own name, loopback
     ports, Dolly categories and state dir under `out`; federation on when `superlink` is given."""
-    base = yaml.safe_load(Path(BASE_CONFIGS[model]).read_text())
+    base = yaml.safe_load(repo_file(BASE_CONFIGS[model]).read_text())
     fed = {"enabled": superlink is not None, "runtime_port": free_port()}
     if superlink is not None:
         fed["superlink"] = superlink

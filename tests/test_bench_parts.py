@@ -456,3 +456,35 @@ def test_version_steps_refuses_a_bad_plan_and_an_unreadable_checkpoint_before_lo
     assert main([str(bad), "--plan", "serve,train:once,serve"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("version_steps: checkpoint: cannot read") and err.count("\n") == 1
+
+
+def test_a_load_fraction_must_be_positive():
+    from pydantic import ValidationError
+
+    for bad in (0, -0.5, float("nan")):
+        with pytest.raises(ValidationError, match="load.fractions"):
+            BenchConfig.model_validate({"load": {"fractions": [bad, 0.8]}})
+
+
+def test_every_modes_configs_are_checked_before_anything_runs(tmp_path):
+    """A variant's typo in its server, edge or router settings was reported only when its mode started, after
+    serve-only's capacity search; now main checks every mode's configs first."""
+    from collm.lab.bench import check_mode_configs
+
+    base = {"model": "tiny", "modes": ["collm", "collm-x", "isolated"], "out": str(tmp_path / "o")}
+    check_mode_configs(BenchConfig.model_validate({**base, "variants": {"x": {"server": {"reply_poll_s": 0.5}}}}))
+    for where, typo, said in [("server", {"reply_pol_s": 3}, "collm-x's server config: reply_pol_s: unknown key"),
+                              ("edge", {"training": {"lrr": 1}}, "training.lrr: unknown key"),
+                              ("router", {"routing": {"polcy": "slo"}}, "collm-x's router config: routing.polcy")]:
+        with pytest.raises(UserError, match=said):
+            check_mode_configs(BenchConfig.model_validate({**base, "variants": {"x": {where: typo}}}))
+
+
+def test_the_lab_finds_its_configs_from_any_folder(tmp_path, monkeypatch):
+    from collm.lab.topology import edge_config, repo_file
+
+    monkeypatch.chdir(tmp_path)  # a run started outside the checkout
+    assert repo_file("configs/server.yaml").is_file()
+    assert edge_config("tiny", "e0", tmp_path, categories=["open_qa"]).name == "e0"
+    with pytest.raises(UserError, match="run the lab tools from the CoLLM repository root"):
+        repo_file("configs/none.yaml")

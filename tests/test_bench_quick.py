@@ -175,3 +175,23 @@ def test_a_kept_run_replots_to_the_same_report(bench, tmp_path):
     proc = subprocess.run([str(BIN / "collm-bench"), "--replot", str(kept)], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "--replot: give --out" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_keeps_what_finished_and_replots_its_finished_modes(bench, tmp_path):
+    """The run keeps results.partial.json after its capacity, every point and every mode; an interrupted run's
+    file (here: the last mode in progress, two of its points done) draws its finished modes with --replot."""
+    out, results = bench
+    partial = json.loads((out / "results.partial.json").read_text())
+    assert "in_progress" not in partial and set(partial["passes"]) == set(MODES)  # the last write: every mode
+    last = partial["order"][-1].split(" (pass")[0]
+    cut = dict(partial, order=partial["order"][:-1], in_progress={"mode": last, "points": [{}, {}]},
+               passes={m: rs[:-1] if m == last else rs for m, rs in partial["passes"].items()})
+    (tmp_path / "results.partial.json").write_text(json.dumps(cut))
+    again = tmp_path / "again"
+    proc = subprocess.run([str(BIN / "collm-bench"), "--replot", str(tmp_path / "results.partial.json"), "--out",
+                           str(again)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = (again / "report.md").read_text()
+    drawn = {m for m, rs in cut["passes"].items() if rs}
+    assert "interrupted run" in proc.stdout and all(f"| {m} |" in report for m in drawn)
