@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, interrupt_on_signal)  # stop the lab's processes on SIGTERM too, not only on ^C
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the lab's processes on these too, not only on ^C
+            signal.signal(sig, interrupt_on_signal)
     out = prepare_out(Path(args.out), args.overwrite)
     superlink = f"127.0.0.1:{free_port()}"
     certs = make_certs(out / "certs", [f"edge{i}" for i in range(args.edges)]) if args.tls else None

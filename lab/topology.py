@@ -8,11 +8,13 @@ topology decides (name, ports, data split, federation, state dir, cores), valida
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -145,6 +147,12 @@ class ProcessGroup:
                 raise UserError(f"{name} exited with status {p.returncode}; see {self.log_path(name)}")
 
     def stop(self, grace_s: float = 45.0) -> None:
+        """End every process: SIGTERM, up to `grace_s` to exit, then SIGKILL. A second ^C (or SIGTERM, SIGHUP)
+        meanwhile does not cut this short: it would leave the rest running, pinned to cores and holding ports."""
+        with _signals_held():
+            self._stop(grace_s)
+
+    def _stop(self, grace_s: float) -> None:
         for _, p in reversed(self.procs):  # edges and router first, the SuperLink last
             if p.poll() is None:
                 try:
@@ -163,6 +171,21 @@ class ProcessGroup:
                 p.wait(5)
         if self.superlink:
             end_stragglers(self.superlink, 15)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Ignore ^C, SIGTERM and SIGHUP while the body runs (main thread only: others cannot set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def wait_http(url: str, group: ProcessGroup, timeout: float, what: str, ca: Path | None = None) -> None:

@@ -488,3 +488,30 @@ def test_the_lab_finds_its_configs_from_any_folder(tmp_path, monkeypatch):
     assert edge_config("tiny", "e0", tmp_path, categories=["open_qa"]).name == "e0"
     with pytest.raises(UserError, match="run the lab tools from the CoLLM repository root"):
         repo_file("configs/none.yaml")
+
+
+@pytest.mark.slow
+def test_a_second_interrupt_cannot_cut_the_cleanup_short(tmp_path):
+    """^C during ProcessGroup.stop() aborted the wait and left the rest of the topology running (pinned to
+    cores, holding ports); now the cleanup finishes and the handlers come back after it."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    from collm.lab.topology import ProcessGroup
+
+    (tmp_path / "logs").mkdir()
+    g = ProcessGroup(tmp_path)
+    slow_exit = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), sys.exit(0)))\n" \
+                "print('up', flush=True)\ntime.sleep(60)\n"
+    p = g.spawn("slow", [sys.executable, "-c", slow_exit])
+    deadline = time.time() + 20
+    while "up" not in (tmp_path / "logs" / "slow.log").read_text() and time.time() < deadline:
+        time.sleep(0.05)
+    handler = signal.getsignal(signal.SIGINT)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # a second ^C while stop() waits
+    g.stop(grace_s=10)
+    assert p.poll() == 0  # it ended on its own, after the SIGTERM: the wait was not cut short
+    assert signal.getsignal(signal.SIGINT) is handler
