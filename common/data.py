@@ -52,7 +52,7 @@ def load_records(path: str | Path | None = None) -> list[Record]:
     out = []
     lineno = 0
     try:
-        with open(p, encoding="utf-8") as f:
+        with open(p, encoding="utf-8-sig") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue

@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -56,8 +55,9 @@ from collm.lab.bench_config import BenchConfig, edge_policy, is_collm, mode_role
 from collm.lab.bench_quality import QualityJudge, served_loss_timeline
 from collm.lab.bench_workload import Workload, window_of
 from collm.lab.loadgen import Outcome, Planned, replay, summarize
-from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
-                                prepare_out, replica_cores, repo_file, start_router, wait_http, write_config)
+from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, config_path, edge_config, edge_url,
+                                free_port, prepare_out, replica_cores, repo_file, start_router, stop_on_signals,
+                                wait_http, write_config)
 from collm.router.state import parse_prometheus
 from collm.server.config import round_timeout_for
 from collm.common.rounds import complete_rounds, read_status
@@ -117,9 +117,7 @@ class ModeRun:
         for name, url in self.urls.items():
             wait_http(url + "/health", g, 900 if self.cfg.model == "bundled" else 120, f"edge {name}")
         serving = [e for e, role in zip(self.edges, self.roles) if "serve" in role]
-        routing = deep_merge({"routing": {"policy": router_policy(self.mode, self.cfg.collm_routing)}},
-                             variant_of(self.mode, self.cfg.variants).router)
-        self.router = start_router(g, self.out, {e.name: self.urls[e.name] for e in serving}, routing)
+        self.router = start_router(g, self.out, {e.name: self.urls[e.name] for e in serving}, self.router_settings())
         served = httpx.get(self.router + "/v1/models").json()["data"][0]  # the default: the global adapter
         self.model_id, self.base_model = served["id"], served.get("root") or served["id"]
         if self.trains:
@@ -127,6 +125,11 @@ class ModeRun:
             self._wait_first_round()
         if self.mode == "isolated":
             threading.Thread(target=self._reload_serving_replicas, daemon=True).start()
+
+    def router_settings(self) -> dict:
+        """What the mode's router config sets: its policy, then the variant's settings."""
+        return deep_merge({"routing": {"policy": router_policy(self.mode, self.cfg.collm_routing)}},
+                          variant_of(self.mode, self.cfg.variants).router)
 
     def server_config(self, base_model: str) -> dict:
         """The ServerApp's config: configs/server.yaml with the bench's federation settings, the variant's last."""
@@ -298,10 +301,8 @@ def check_mode_configs(cfg: BenchConfig) -> None:
             run = ModeRun(cfg, mode, Path(tmp) / mode)  # builds and validates each edge's config
             if run.trains:
                 validate_config(ServerConfig, run.server_config(run.base_model), f"{mode}'s server config")
-            routing = deep_merge({"routing": {"policy": router_policy(mode, cfg.collm_routing)}},
-                                 variant_of(mode, cfg.variants).router)
-            validate_config(RouterConfig, {**routing, "edges": [{"name": "e", "url": "http://127.0.0.1:1"}]},
-                            f"{mode}'s router config")
+            edges = [{"name": "e", "url": "http://127.0.0.1:1"}]
+            validate_config(RouterConfig, {**run.router_settings(), "edges": edges}, f"{mode}'s router config")
 
 
 def run_order(modes: list[str], order: str, drift_check: bool) -> list[str]:
@@ -347,8 +348,15 @@ def replot(results_path: str, out: str | None, overwrite: bool) -> int:
         if not isinstance(results.get("passes"), dict) or not any(results["passes"].values()):
             raise UserError(f"--replot: {results_path} has no finished mode yet (an interrupted run keeps its "
                             "finished points under in_progress, but a mode is drawn only once it has run all of them)")
+        passes = {m: rs for m, rs in results["passes"].items() if rs}
+        if len({len(rs) for rs in passes.values()}) > 1:  # stopped between two modes' second passes: like with like
+            passes = {m: rs[:1] for m, rs in passes.items()}
+            results["order"] = [o for o in results.get("order", []) if o.endswith("(pass 1)")]
+            print("collm-bench: the modes had run different numbers of passes; drawing each mode's first",
+                  flush=True)
+        results["passes"] = passes
+        results.setdefault("wall_s", sum(r.get("wall_s", 0.0) for rs in passes.values() for r in rs))
         try:
-            results["passes"] = {m: rs for m, rs in results["passes"].items() if rs}
             combine_passes(results, BenchConfig.model_validate(results["config"]))
         except Exception as e:  # noqa: BLE001 - a partial file of another version: one line
             raise UserError(f"--replot: cannot pool the finished modes of {results_path} ({type(e).__name__}: "
@@ -376,9 +384,9 @@ def interrupt_on_signal(signum, frame) -> None:
 def _say_where_on_interrupt(partial: Path):
     try:
         yield
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, UserError):
         if partial.is_file():
-            print(f"\ncollm-bench: interrupted; what finished is in {partial} (`collm-bench --replot {partial} --out "
+            print(f"\ncollm-bench: stopped; what finished is in {partial} (`collm-bench --replot {partial} --out "
                   f"DIR` draws the finished modes)", file=sys.stderr, flush=True)
         raise
 
@@ -394,9 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot is not None:
         return replot(args.replot, args.out, args.overwrite)
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the mode's processes, like ^C (SIGHUP: a closed terminal)
-            signal.signal(sig, interrupt_on_signal)
-    cfg = load_config(BenchConfig, args.config, {"out": args.out} if args.out else None)
+        stop_on_signals(interrupt_on_signal)  # the mode's processes stop, like on ^C
+    cfg = load_config(BenchConfig, config_path(args.config), {"out": args.out} if args.out else None)
     check_mode_configs(cfg)
     out = prepare_out(Path(cfg.out), args.overwrite)
     work = Workload(cfg)

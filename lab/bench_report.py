@@ -273,7 +273,8 @@ def _quality_section(results: dict, fractions: list[float]) -> list[str]:
 def _order_line(results: dict) -> str:
     if not results.get("order"):
         return ""  # results from before the order was kept
-    pooled = results["config"].get("order") == "counterbalanced"
+    pooled = (results["config"].get("order") == "counterbalanced"  # and (an interrupted run's) every mode ran twice
+              and all(len(rs) > 1 for rs in results.get("passes", {}).values()))
     return (f"Modes ran in this order: {', '.join(results['order'])}"
             + ("; each mode's numbers pool its two passes, and each ratio's interval also covers both passes' own "
                "ratios." if pooled else "."))

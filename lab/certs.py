@@ -49,12 +49,12 @@ def make_certs(out: str | Path, edges: list[str] | tuple[str, ...] = DEFAULT_EDG
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
+    if days < 1:
+        raise UserError(f"--days {days}: give a lifetime of at least 1 day")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     want_sans = _parse_sans([*DEFAULT_SANS, *sans])
     ca_crt, ca_key_path = out / "ca.crt", out / "ca.key"
-    if days < 1:
-        raise UserError(f"--days {days}: give a lifetime of at least 1 day")
     if ca_crt.is_file() and ca_key_path.is_file():
         try:
             ca_cert = x509.load_pem_x509_certificate(ca_crt.read_bytes())

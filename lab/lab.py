@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -63,7 +62,7 @@ from collm.lab.lab_cli import build_parser, check_args
 from collm.lab.lab_follow import Churn, follow
 from collm.lab.monitoring import start_monitoring
 from collm.lab.topology import (COORDINATOR_NICE, BASE_MODEL_NAMES, ProcessGroup, edge_config, edge_url, free_port,
-                                prepare_out, start_router, wait_http, write_config)
+                                prepare_out, start_router, stop_on_signals, wait_http, write_config)
 from collm.server.config import ServerConfig, round_timeout_for
 
 PROMPTS = ["What is the capital of France?", "Give me three tips for a good night's sleep.",
@@ -151,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the lab's processes on these too, not only on ^C
-            signal.signal(sig, interrupt_on_signal)
+        stop_on_signals(interrupt_on_signal)  # the lab's processes stop on these too, not only on ^C
     out = prepare_out(Path(args.out), args.overwrite)
     superlink = f"127.0.0.1:{free_port()}"
     certs = make_certs(out / "certs", [f"edge{i}" for i in range(args.edges)]) if args.tls else None

@@ -8,7 +8,7 @@ from pathlib import Path
 from collm.common.config import load_config
 from collm.common.errors import UserError
 from collm.lab.monitoring import prometheus_binary
-from collm.lab.topology import BASE_CONFIGS
+from collm.lab.topology import BASE_CONFIGS, config_path
 from collm.server.config import ServerConfig
 
 
@@ -119,6 +119,7 @@ def check_args(args) -> None:
     if args.prometheus:
         prometheus_binary()  # no prometheus: one line now, not after the edges have loaded
     args.joins, args.leaves = check_churn(args)
+    args.server_config = str(config_path(args.server_config))  # the default is found from any folder
     if not Path(args.server_config).is_file():
         raise UserError(f"--server-config {args.server_config}: file not found")
     load_config(ServerConfig, args.server_config)  # a bad server config is one line here

@@ -47,6 +47,20 @@ def repo_file(rel: str) -> Path:
                     "CoLLM repository root")
 
 
+def config_path(path: str) -> Path:
+    """A config the user named: as given, or (a relative path not found here) in the CoLLM checkout."""
+    p = Path(path)
+    return p if p.exists() or p.is_absolute() else repo_file(path)
+
+
+def stop_on_signals(handler) -> None:
+    """`handler` for SIGTERM and SIGHUP (a closed terminal), so the processes stop as on ^C; a SIGHUP that nohup
+    set to be ignored stays ignored."""
+    signal.signal(signal.SIGTERM, handler)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, handler)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:
@@ -175,17 +189,22 @@ class ProcessGroup:
 
 @contextlib.contextmanager
 def _signals_held():
-    """Ignore ^C, SIGTERM and SIGHUP while the body runs (main thread only: others cannot set handlers)."""
+    """Hold ^C, SIGTERM and SIGHUP while the body runs and deliver the first one after it (main thread only:
+    others cannot set handlers): the cleanup finishes, and the interrupt still stops the run."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    before = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+    held: list[int] = []
+    before: dict = {}
     try:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            before[s] = signal.signal(s, lambda signum, frame: held.append(signum))
         yield
     finally:
         for s, handler in before.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: a handler set from C
+        if held:
+            signal.raise_signal(held[0])
 
 
 def wait_http(url: str, group: ProcessGroup, timeout: float, what: str, ca: Path | None = None) -> None:

@@ -257,12 +257,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from collm.common.config import check_writable_dir, load_config
     from collm.lab.bench_report import write_report
+    from collm.lab.topology import config_path
 
     args = build_parser().parse_args(argv)
     if args.profile_bench:
         return profile_bench_edge(*args.profile_bench, args.profile_reps, args.alone)
     over = {k: v for k, v in (("out", args.out), ("edges", args.edges)) if v is not None}
-    cfg = load_config(SimConfig, args.config, over or None)
+    cfg = load_config(SimConfig, config_path(args.config), over or None)
     out = check_writable_dir(cfg.out, "out")  # before the run, not when its report is written
     t0 = time.perf_counter()
     sweep = cfg.sweep if not args.no_sweep else None

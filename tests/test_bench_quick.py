@@ -195,3 +195,8 @@ def test_an_interrupted_run_keeps_what_finished_and_replots_its_finished_modes(b
     report = (again / "report.md").read_text()
     drawn = {m for m, rs in cut["passes"].items() if rs}
     assert "interrupted run" in proc.stdout and all(f"| {m} |" in report for m in drawn)
+    # stopped after serve-only's second pass but (say) before its report: passes of unequal count, first ones drawn
+    (tmp_path / "uneven.json").write_text(json.dumps(partial))
+    proc = subprocess.run([str(BIN / "collm-bench"), "--replot", str(tmp_path / "uneven.json"), "--out",
+                           str(tmp_path / "uneven")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "drawing each mode's first" in proc.stdout, proc.stdout + proc.stderr[-2000:]
