@@ -125,8 +125,9 @@ class EdgeRuntime:
 
     def _write_serving(self, state: dict, info: VersionInfo) -> None:
         latest = max(self.latest_round, info.round if info.round is not None else -1)
-        write_serving(self.state_dir, state, {**info.as_dict(), "latest_round": latest}, self.cfg.lora,
-                      self.model_name)
+        numbered = max(self.engine.shadow.latest_version, info.version)  # above a rolled-back version: never reused
+        write_serving(self.state_dir, state, {**info.as_dict(), "latest_round": latest, "latest_version": numbered},
+                      self.cfg.lora, self.model_name)
 
     def _restore(self, engine: Engine) -> None:
         problems = lambda state: _shape_problems(engine, state)  # noqa: E731
@@ -141,6 +142,8 @@ class EdgeRuntime:
                 log.info("edge %s: saved serving version %s is the initial adapter", self.cfg.name, meta["version"])
             rounds = [r for r in (meta.get("latest_round"), meta.get("round")) if isinstance(r, int)]
             self.latest_round = max(rounds, default=self.latest_round)
+            if isinstance(meta.get("latest_version"), int):
+                engine.shadow.reserve_through(meta["latest_version"])
         training = read_training(self.state_dir, problems) if engine.trainer is not None else None
         if training is not None:
             state, opt = training

@@ -471,6 +471,30 @@ def test_a_restarted_edge_catches_up_to_the_checkpointed_global_before_it_serves
 
 
 
+def test_a_version_number_is_never_reused_after_a_rollback_and_a_restart(tmp_path):
+    """Rolled back from 901 to 900 and restarted: the restored 900 made 901 look free, and round 3's global
+    was published as a second, different version 901."""
+    from collm.common.adapter_io import save_adapter
+
+    state_dir = tmp_path / "s"
+    e = LiveEdge(tiny_config(state_dir=str(state_dir), api={"admin": True, "admin_without_token": True}))
+    try:
+        save_adapter(tmp_path / "ad", random_adapter_state(e.engine, 9), e.engine.cfg.lora, "collm-tiny")
+        assert post(e, "/admin/adapters", {"path": str(tmp_path / "ad"), "version": 900}).status_code == 200
+        assert e.runtime.publish_global(random_adapter_state(e.engine, 2), 2)
+        assert e.engine.shadow.current_version == 901
+        e.runtime.rollback(900)
+    finally:
+        e.close()
+    again = LiveEdge(tiny_config(state_dir=str(state_dir)))
+    try:
+        assert again.engine.shadow.current_version == 900 and again.engine.shadow.latest_version == 901
+        assert again.runtime.publish_global(random_adapter_state(again.engine, 3), 3)
+        assert again.engine.shadow.current_version == 902
+    finally:
+        again.close()
+
+
 def test_admin_versions_can_never_hold_back_the_federation(tmp_path):
     """An admin publish takes the next version number (or a far one); the next federated round's global is
     still served, above it, and a restart remembers which round it served (issue #34)."""

@@ -498,6 +498,25 @@ def test_training_carries_on_between_rounds_and_the_next_round_rebases_it_onto_t
         eng.stop()
 
 
+def test_a_job_that_cannot_start_fails_alone_and_the_replica_serves_on():
+    """A global that does not fit (a missing key: load_peft raises in the job's start) took the engine loop down:
+    every request failed and the edge had to restart. Now that job fails, and serving and the next job go on."""
+    eng = tiny_engine()
+    try:
+        bad = dict(eng.initial_state)
+        bad.pop(next(iter(bad)))
+        with pytest.raises(KeyError):
+            eng.train(TrainBudget(tokens=50), global_state=bad).result(timeout=60)
+        assert eng.failure is None
+        done = threading.Event()
+        req = eng.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0),
+                         lambda ev: done.set() if isinstance(ev, FinishEvent) else None)
+        assert done.wait(60) and req.out_ids
+        assert eng.train(TrainBudget(tokens=50), global_state=eng.initial_state).result(timeout=120).tokens >= 50
+    finally:
+        eng.stop()
+
+
 def test_the_carry_yields_to_an_evaluation_and_resumes_after_it():
     eng = tiny_engine()
     try:

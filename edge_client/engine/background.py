@@ -58,6 +58,8 @@ class BackgroundRunner:
             job.fail(e)
             if core.job is job:
                 core.job = None
+            if core.carry is job:  # a failed carry is not picked up again at the next pass
+                core.carry = None
             return False
 
     def _run_unit(self, job: BackgroundJob, unit, verdict, beside_serving: bool) -> float:

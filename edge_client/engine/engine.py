@@ -164,10 +164,19 @@ class Engine(StepRunner, BackgroundRunner):
                       slo=slo or self.slo, on_event=on_event, arrival=self.clock())
         pinned = None if adapter is None else self.shadow.pin(adapter)
         with self._lock:
-            if self.core.queue_full(len(self.core.waiting) + len(self._incoming), self.free_slots()):
+            # again under the lock: a loop that failed or stopped since the checks above has drained _incoming
+            # for the last time, and a request appended now would never be answered (nor its version released)
+            refusal = None
+            if self.failure is not None:
+                refusal = EngineFailed(f"the engine failed ({self.failure}); this edge must be restarted")
+            elif not self._accepting:
+                refusal = ShuttingDown("the edge is shutting down")
+            elif self.core.queue_full(len(self.core.waiting) + len(self._incoming), self.free_slots()):
+                refusal = QueueFull(f"the queue is full ({self.cfg.engine.max_queue} waiting requests)")
+            if refusal is not None:
                 if pinned is not None:
                     self.shadow.release(pinned)
-                raise QueueFull(f"the queue is full ({self.cfg.engine.max_queue} waiting requests)")
+                raise refusal
             req.adapter = pinned
             self._incoming.append(req)
             self._lock.notify()

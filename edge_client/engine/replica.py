@@ -26,12 +26,15 @@ slot, adapter, first_token_at, cancelled, slo, prefill_left, decoding). Jobs hav
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 
 from collm.edge_client.engine.co_schedule import CoSchedule, RequestSlack, ServingLoad, Verdict
 from collm.edge_client.engine.controller import RequestOutcome
 from collm.edge_client.engine.planner import StepShape, next_step_shape, plan_step, prefill_time, step_shape, too_late
+
+log = logging.getLogger("collm.engine")
 
 
 def latencies(arrival: float, first_token_at: float | None, tokens: int, end: float) -> tuple[float | None, float | None]:
@@ -188,12 +191,13 @@ class ReplicaCore:
                 if self.job.kind == "train" and self.carry is not None:
                     self.job.absorb(self.carry)  # the round's job sends the carry's work
                     self.carry = None
-                self.job.start(now)
+                if not self._started(self.job, now):
+                    continue
                 self._note("job", now, self.job.kind)
             elif self.job is None and self.carry_runnable():
                 self.job = self.carry
-                if not self.job.started:
-                    self.job.start(now)
+                if not self.job.started and not self._started(self.job, now):
+                    continue
                 self._note("job", now, "carry")
             job = self.job
             if job is None:
@@ -202,6 +206,20 @@ class ReplicaCore:
                 self.end_job(job, now, deadline_hit=not job.done())
                 continue
             return job
+
+    def _started(self, job, now: float) -> bool:
+        """Start `job`; one that cannot (a global that does not fit, a rebase that does not converge) fails alone
+        and is let go, as a job whose unit fails: serving goes on (it took the engine down)."""
+        try:
+            job.start(now)
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure of a job's start is the job's
+            log.exception("%s job failed to start", job.kind)
+            job.fail(e)
+            self.job = None
+            if self.carry is job:
+                self.carry = None
+            return False
 
     def verdict(self, now: float, unit_s: float, arriving: Iterable = ()) -> tuple[Verdict, ServingLoad]:
         """May the current job's next unit (predicted `unit_s`) run now? The policy decides (an evaluation's

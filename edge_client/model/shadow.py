@@ -107,6 +107,12 @@ class ShadowAdapter:
         self._observe(self.last_publish_s, version, source)
         return weights
 
+    def reserve_through(self, version: int) -> None:
+        """Count numbers up to `version` as published: after a restart that restored a rolled-back version, the
+        numbers used before it must not be given to other weights."""
+        with self._publishing:
+            self._latest = max(self._latest, version)
+
     def publish_local(self, state: dict[str, torch.Tensor], steps: int) -> AdapterWeights:
         """Serve `state` (the training adapter) to requests that name the local adapter; the next global
         publish resets it to that global until the edge has trained on top of it again."""

@@ -207,13 +207,16 @@ class TrainJob(PassJob):
         t = self.t
         if self.is_carry and t.cfg.reset_optimizer_each_round:
             t.optimizer = t._new_optimizer()  # the carry is the next round's start
-        c = self.carried
+        c, self.carried = self.carried, None
         if c is not None and c.report.microbatches > 0:
             self._absorb_carry(c)
-        elif self.global_state is not None:
-            t.adapter.load_peft(self.global_state)
-            if t.cfg.reset_optimizer_each_round:
-                t.optimizer = t._new_optimizer()
+        else:
+            if c is not None:
+                c._pass = None  # its micro-batch in flight, dropped: activations and graph are not kept all round
+            if self.global_state is not None:
+                t.adapter.load_peft(self.global_state)
+                if t.cfg.reset_optimizer_each_round:
+                    t.optimizer = t._new_optimizer()
         if self.lr is not None:
             for g in t.optimizer.param_groups:
                 g["lr"] = self.lr
