@@ -499,14 +499,25 @@ def test_training_carries_on_between_rounds_and_the_next_round_rebases_it_onto_t
 
 
 def test_a_job_that_cannot_start_fails_alone_and_the_replica_serves_on():
-    """A global that does not fit (a missing key: load_peft raises in the job's start) took the engine loop down:
-    every request failed and the edge had to restart. Now that job fails, and serving and the next job go on."""
+    """A job whose start raised (a rebase of the carry that failed, e.g. an SVD of a diverged carry) took the
+    engine loop down: every request failed and the edge had to restart. Now that job fails, and serving and the
+    next job go on. A global that does not fit is refused before it is queued (loading it half would mix it)."""
+    from collm.edge_client.engine import EngineError
+
     eng = tiny_engine()
     try:
         bad = dict(eng.initial_state)
         bad.pop(next(iter(bad)))
-        with pytest.raises(KeyError):
-            eng.train(TrainBudget(tokens=50), global_state=bad).result(timeout=60)
+        with pytest.raises(EngineError, match="does not fit"):
+            eng.train(TrainBudget(tokens=50), global_state=bad)
+        eng.train(TrainBudget(tokens=50), global_state=eng.initial_state, carry=True).result(timeout=120)
+        _wait_for(lambda: eng.carried_tokens() > 0)
+
+        def rebase(global_state, now, base):
+            raise RuntimeError("SVD did not converge")
+
+        with pytest.raises(RuntimeError, match="did not converge"):
+            eng.train(TrainBudget(tokens=50), global_state=eng.initial_state, rebase=rebase).result(timeout=60)
         assert eng.failure is None
         done = threading.Event()
         req = eng.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0),

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from collm.common.adapter_io import check_compatible
 from collm.common.data import format_example
 from collm.common.slo import SLO
 from collm.edge_client.config import EdgeConfig
@@ -198,6 +199,8 @@ class Engine(StepRunner, BackgroundRunner):
         `rebase`: how the absorbed carry goes onto the new global (mixed ranks: as products)."""
         if self.trainer is None:
             raise EngineError("this engine has no training data")
+        if global_state is not None and (problems := check_compatible(global_state, self.layers.expected_shapes())):
+            raise EngineError(f"the global adapter does not fit this model: {problems[0]}")  # before a layer is loaded
         return self._queue_job(self.trainer.job(budget, global_state, proximal_mu, lr, serve_local,
                                                 carry_after=carry and self.cfg.training.carry_between_rounds,
                                                 freeze_a=freeze_a, rebase=rebase))

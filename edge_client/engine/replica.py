@@ -14,14 +14,15 @@ long things take, and computes the steps and units the core plans. A loop pass, 
 4. `current_job(now)`: the background job to work on. Queued work goes before the carry (its
    micro-batch in flight waits, intact); a round's training job absorbs the carry (`absorb`); a job
    that is done or past its deadline ends (`end_job`), and a round's job that asks for it leaves a
-   carry behind (`make_carry`). Then `verdict(now, unit_s)`: the co-execution policy's answer for
+   carry behind (`make_carry`); a job whose start raises fails alone (`fail(exc)`). Then `verdict(now, unit_s)`: the co-execution policy's answer for
    the job's next unit, from `serving_load`; after units ran, `after_units` ends a job that is done.
 5. `ended(r, reason, now)`: a request leaves; its TTFT and TPOT (`latencies`) go to the policy.
 
 Requests are objects with the engine `Request`'s fields (arrival, prompt_ids, prefilled, out_ids,
 slot, adapter, first_token_at, cancelled, slo, prefill_left, decoding). Jobs have `kind`, `started`,
 `carry_after`, `start(now)`, `done()`, `past_deadline(now)`, `absorb(carry)`, `make_carry()` and
-`finish(deadline_hit, now)` (`training.jobs.BackgroundJob`, `sim.jobs.SimJob`).
+`finish(deadline_hit, now)`, and `fail(exc)` if their start can raise (`training.jobs.BackgroundJob`,
+`sim.jobs.SimJob`, whose start cannot).
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ class ReplicaCore:
             job.start(now)
             return True
         except Exception as e:  # noqa: BLE001 - any failure of a job's start is the job's
-            log.exception("%s job failed to start", job.kind)
+            log.exception("%s job failed to start (a carry it absorbed is dropped with it)", job.kind)
             job.fail(e)
             self.job = None
             if self.carry is job:
