@@ -14,8 +14,9 @@ long things take, and computes the steps and units the core plans. A loop pass, 
 4. `current_job(now)`: the background job to work on. Queued work goes before the carry (its
    micro-batch in flight waits, intact); a round's training job absorbs the carry (`absorb`); a job
    that is done or past its deadline ends (`end_job`), and a round's job that asks for it leaves a
-   carry behind (`make_carry`); a job whose start raises fails alone (`fail(exc)`). Then `verdict(now, unit_s)`: the co-execution policy's answer for
-   the job's next unit, from `serving_load`; after units ran, `after_units` ends a job that is done.
+   carry behind (`make_carry`); a job whose start raises fails alone (`fail(exc)`). Then
+   `verdict(now, unit_s)`: the co-execution policy's answer for the job's next unit, from
+   `serving_load`; after units ran, `after_units` ends a job that is done.
 5. `ended(r, reason, now)`: a request leaves; its TTFT and TPOT (`latencies`) go to the policy.
 
 Requests are objects with the engine `Request`'s fields (arrival, prompt_ids, prefilled, out_ids,
