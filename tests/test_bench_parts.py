@@ -510,9 +510,12 @@ def test_a_second_interrupt_cannot_cut_the_cleanup_short(tmp_path):
     deadline = time.time() + 20
     while "up" not in (tmp_path / "logs" / "slow.log").read_text() and time.time() < deadline:
         time.sleep(0.05)
-    handler = signal.getsignal(signal.SIGINT)
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # a second ^C while stop() waits
-    with pytest.raises(KeyboardInterrupt):  # delivered once the cleanup is done, not lost
-        g.stop(grace_s=10)
-    assert p.poll() == 0  # it ended on its own, 3 s after its SIGTERM: the wait was not cut short
-    assert signal.getsignal(signal.SIGINT) is handler
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with ^C ignored
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # a second ^C while stop() waits
+        with pytest.raises(KeyboardInterrupt):  # delivered once the cleanup is done, not lost
+            g.stop(grace_s=10)
+        assert p.poll() == 0  # it ended on its own, 3 s after its SIGTERM: the wait was not cut short
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
