@@ -46,7 +46,9 @@ from benchkit import table  # noqa: E402
 
 from collm.common.config import deep_merge, load_config  # noqa: E402
 from collm.common.stats import ratio_ci  # noqa: E402
-from collm.lab.bench import ModeRun, Workload, find_capacity, interrupt_on_signal, measure  # noqa: E402
+from collm.lab.bench import find_capacity, interrupt_on_signal, measure  # noqa: E402
+from collm.lab.bench_workload import Workload  # noqa: E402
+from collm.lab.bench_topology import ModeRun  # noqa: E402
 from collm.lab.bench_config import BenchConfig  # noqa: E402
 from collm.lab.topology import start_router  # noqa: E402
 

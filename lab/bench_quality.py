@@ -12,7 +12,7 @@ from collm.lab.bench_config import BenchConfig
 from collm.lab.topology import edge_config
 
 if TYPE_CHECKING:
-    from collm.lab.bench import ModeRun
+    from collm.lab.bench_topology import ModeRun
 
 
 class QualityJudge:

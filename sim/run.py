@@ -214,7 +214,7 @@ def profile_bench_edge(bench_yaml: str, out: str, reps: int, alone: bool = False
 
     from collm.common.config import check_writable_file, load_config
     from collm.common.procs import BIN_DIR
-    from collm.lab.bench import ModeRun
+    from collm.lab.bench_topology import ModeRun
     from collm.lab.bench_config import BenchConfig
     from collm.lab.topology import write_config
 

@@ -7,7 +7,7 @@ import pytest
 from collm.common.errors import UserError
 from collm.common.stats import mean_ci, ratio_ci
 from collm.common.traces import TraceRequest, at_rate
-from collm.lab.bench import Workload, window_of
+from collm.lab.bench_workload import Workload, window_of
 from collm.lab.bench_analysis import max_sustained_rate, monotone_attainment
 from collm.lab.bench_config import BenchConfig
 from collm.lab.topology import prepare_out
@@ -260,7 +260,7 @@ def test_a_collm_variant_is_named_by_config_and_compared_with_collm_and_the_base
 def test_a_variants_edge_settings_win_over_what_the_bench_sets(tmp_path):
     """The bench sets training.max_eval_records (and co_schedule, busy_share) on every edge; a variant that
     changes one of them must reach its edges, and only its edges (it used to be merged first and lost)."""
-    from collm.lab.bench import ModeRun
+    from collm.lab.bench_topology import ModeRun
 
     cfg = BenchConfig.model_validate({"modes": ["collm", "collm-eval4"], "federation": {"eval_records": 8},
                                       "variants": {"eval4": {"edge": {"training": {"max_eval_records": 4}}}}})
@@ -273,7 +273,7 @@ def test_a_variants_edge_settings_win_over_what_the_bench_sets(tmp_path):
 
 def test_a_variants_server_settings_reach_its_serverapp_only(tmp_path):
     from collm.common.config import validate_config
-    from collm.lab.bench import ModeRun
+    from collm.lab.bench_topology import ModeRun
     from collm.server.config import ServerConfig
 
     cfg = BenchConfig.model_validate({"modes": ["collm", "collm-slowpoll"],
@@ -469,7 +469,7 @@ def test_a_load_fraction_must_be_positive():
 def test_every_modes_configs_are_checked_before_anything_runs(tmp_path):
     """A variant's typo in its server, edge or router settings was reported only when its mode started, after
     serve-only's capacity search; now main checks every mode's configs first."""
-    from collm.lab.bench import check_mode_configs
+    from collm.lab.bench_topology import check_mode_configs
 
     base = {"model": "tiny", "modes": ["collm", "collm-x", "isolated"], "out": str(tmp_path / "o")}
     check_mode_configs(BenchConfig.model_validate({**base, "variants": {"x": {"server": {"reply_poll_s": 0.5}}}}))
