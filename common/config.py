@@ -19,7 +19,7 @@ from typing import Any, TypeVar, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from collm.common.errors import UserError
+from collm.common.errors import UserError, reading
 
 LORA_TARGETS_LLAMA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -151,11 +151,8 @@ def load_config(model: type[M], path: str | Path, overrides: dict[str, Any] | No
     if not p.is_file():
         raise UserError(f"{p}: config file not found")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"{p}: cannot read the config ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason}); save the config as UTF-8") from None
+        with reading(p, "config"):
+            data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""

@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from collm.common.errors import UserError
+from collm.common.errors import UserError, reading
 
 FIELDS = ("instruction", "context", "response", "category")
 
@@ -50,29 +50,23 @@ def load_records(path: str | Path | None = None) -> list[Record]:
     if not p.is_file():
         raise UserError(f"data.path: {p} does not exist")
     out = []
-    lineno = 0
-    try:
-        with open(p, encoding="utf-8-sig") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(obj, dict):
-                    raise UserError(f"{p}:{lineno}: a record is a JSON object, got {type(obj).__name__}")
-                missing = [k for k in ("instruction", "response") if not isinstance(obj.get(k), str)]
-                if missing:
-                    raise UserError(f"{p}:{lineno}: record needs string field(s) {', '.join(missing)}")
-                context, category = obj.get("context") or "", obj.get("category") or "uncategorized"
-                if not isinstance(context, str) or not isinstance(category, str):
-                    raise UserError(f"{p}:{lineno}: context and category, where given, are strings")
-                out.append(Record(obj["instruction"], context, obj["response"], category))
-    except UnicodeDecodeError as e:
-        raise UserError(f"{p}: not UTF-8 text after line {lineno} ({e.reason}); save the records as UTF-8") from None
-    except OSError as e:
-        raise UserError(f"{p}: cannot read the records ({e.strerror or e})") from None
+    with reading(p, "records"), open(p, encoding="utf-8-sig") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise UserError(f"{p}:{lineno}: a record is a JSON object, got {type(obj).__name__}")
+            missing = [k for k in ("instruction", "response") if not isinstance(obj.get(k), str)]
+            if missing:
+                raise UserError(f"{p}:{lineno}: record needs string field(s) {', '.join(missing)}")
+            context, category = obj.get("context") or "", obj.get("category") or "uncategorized"
+            if not isinstance(context, str) or not isinstance(category, str):
+                raise UserError(f"{p}:{lineno}: context and category, where given, are strings")
+            out.append(Record(obj["instruction"], context, obj["response"], category))
     if not out:
         raise UserError(f"{p}: no records")
     return out

@@ -1,5 +1,6 @@
 """User-facing errors: one line that names what is wrong and how to fix it, never a traceback."""
 
+import contextlib
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -10,6 +11,18 @@ class UserError(Exception):
 
     Command-line entry points print its message on one line and exit with status 2.
     """
+
+
+@contextlib.contextmanager
+def reading(path, what: str):
+    """Reading `path` (a config, a trace, records): a file that cannot be read, or is not UTF-8 text, is a
+    one-line error naming it and the fix, not a traceback."""
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason}); save the {what} as UTF-8") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
 
 
 def cli_entry(main: Callable[..., int | None]) -> Callable[..., int]:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-from collm.common.errors import UserError
+from collm.common.errors import UserError, reading
 
 
 @dataclass(frozen=True)
@@ -60,24 +60,19 @@ def load_trace(path: str | Path | None = None, scaling: TraceScaling = TraceScal
     if scaling.speed <= 0 or scaling.token_scale <= 0:
         raise UserError("trace scaling: speed and token_scale must be positive")
     rows: list[tuple[float, int, int]] = []
-    lineno = 1
-    try:  # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
-        with open(p, newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
-            need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
-            if not reader.fieldnames or not need <= set(reader.fieldnames):
-                raise UserError(f"{p}: expected CSV columns {sorted(need)}, got {reader.fieldnames}")
-            for lineno, row in enumerate(reader, 2):
-                try:
-                    rows.append((_parse_ts(row["TIMESTAMP"]), int(row["ContextTokens"]),
-                                 int(row["GeneratedTokens"])))
-                except (ValueError, TypeError, AttributeError) as e:  # a short row leaves fields None
-                    raise UserError(f"{p}:{lineno}: bad row: {type(e).__name__}: {e}; expected "
-                                    f"TIMESTAMP,ContextTokens,GeneratedTokens") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"{p}: not UTF-8 text after line {lineno} ({e.reason}); save the trace as UTF-8") from None
-    except OSError as e:
-        raise UserError(f"{p}: cannot read the trace ({e.strerror or e})") from None
+    # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
+    with reading(p, "trace"), open(p, newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+        if not reader.fieldnames or not need <= set(reader.fieldnames):
+            raise UserError(f"{p}: expected CSV columns {sorted(need)}, got {reader.fieldnames}")
+        for lineno, row in enumerate(reader, 2):
+            try:
+                rows.append((_parse_ts(row["TIMESTAMP"]), int(row["ContextTokens"]),
+                             int(row["GeneratedTokens"])))
+            except (ValueError, TypeError, AttributeError) as e:  # a short row leaves fields None
+                raise UserError(f"{p}:{lineno}: bad row: {type(e).__name__}: {e}; expected "
+                                f"TIMESTAMP,ContextTokens,GeneratedTokens") from None
     if not rows:
         raise UserError(f"{p}: no requests")
     rows.sort()

@@ -111,3 +111,10 @@ def test_an_output_file_is_checked_before_the_work_that_writes_it(tmp_path):
         check_writable_file(tmp_path / "none" / "p.json", "--profile")
     assert check_writable_file(tmp_path / "p.json", "--profile") == tmp_path / "p.json"
     assert not (tmp_path / "p.json").exists()  # the probe leaves nothing behind
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
+    p = tmp_path / "edge.yaml"
+    p.write_bytes(b"name: caf\xe9\n")  # latin-1
+    with pytest.raises(UserError, match="not UTF-8 text .*save the config as UTF-8"):
+        load_config(EdgeConfig, p)
