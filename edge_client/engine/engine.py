@@ -150,10 +150,8 @@ class Engine(StepRunner, BackgroundRunner):
         is pinned now (UnknownVersion if it is not retained), so it cannot be freed while the request waits.
         """
         params.validate()
-        if self.failure is not None:
-            raise EngineFailed(f"the engine failed ({self.failure}); this edge must be restarted")
-        if not self._accepting:
-            raise ShuttingDown("the edge is shutting down")
+        if (closed := self._closed()) is not None:
+            raise closed
         if not prompt_ids:
             raise EngineError("the prompt is empty")
         need = len(prompt_ids) + params.max_tokens
@@ -165,14 +163,11 @@ class Engine(StepRunner, BackgroundRunner):
                       slo=slo or self.slo, on_event=on_event, arrival=self.clock())
         pinned = None if adapter is None else self.shadow.pin(adapter)
         with self._lock:
-            # again under the lock: a loop that failed or stopped since the checks above has drained _incoming
-            # for the last time, and a request appended now would never be answered (nor its version released)
-            refusal = None
-            if self.failure is not None:
-                refusal = EngineFailed(f"the engine failed ({self.failure}); this edge must be restarted")
-            elif not self._accepting:
-                refusal = ShuttingDown("the edge is shutting down")
-            elif self.core.queue_full(len(self.core.waiting) + len(self._incoming), self.free_slots()):
+            # closed again under the lock: a loop that failed or stopped since the check above has drained
+            # _incoming for the last time, and a request appended now would never be answered (nor released)
+            refusal = self._closed()
+            if refusal is None and self.core.queue_full(len(self.core.waiting) + len(self._incoming),
+                                                         self.free_slots()):
                 refusal = QueueFull(f"the queue is full ({self.cfg.engine.max_queue} waiting requests)")
             if refusal is not None:
                 if pinned is not None:
@@ -182,6 +177,14 @@ class Engine(StepRunner, BackgroundRunner):
             self._incoming.append(req)
             self._lock.notify()
         return req
+
+    def _closed(self) -> EngineError | None:
+        """Why no request is taken now (the engine failed, or the edge is shutting down); None: it is open."""
+        if self.failure is not None:
+            return EngineFailed(f"the engine failed ({self.failure}); this edge must be restarted")
+        if not self._accepting:
+            return ShuttingDown("the edge is shutting down")
+        return None
 
     def cancel(self, req: Request) -> None:
         """Stop a request (e.g. its client went away); its slot is freed at the next step."""
