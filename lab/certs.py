@@ -257,14 +257,12 @@ def _wait_for_control_api(superlink: str, root_certificates: str | Path, wait_s:
     ca = str(Path(root_certificates).resolve())
     if not Path(ca).is_file():
         raise UserError(f"{root_certificates}: CA certificate not found")
-    deadline = time.monotonic() + wait_s
-    last = ""
-    import ssl
-
     try:
         context = _ssl_context(ca)
-    except (ssl.SSLError, ValueError) as e:
+    except OSError as e:  # ssl.SSLError (a file that is no PEM) is one, as is a file that cannot be read
         raise UserError(f"--root-certificates {root_certificates}: not a PEM CA certificate ({e})") from None
+    deadline = time.monotonic() + wait_s
+    last = ""
     while True:
         try:
             if httpx.get(f"https://{superlink}/health", verify=context, timeout=3).status_code == 200:

@@ -578,3 +578,8 @@ def test_bad_certificate_inputs_are_one_line_errors(tmp_path):
     (tmp_path / "b" / "ca.key").write_text("not a key")
     with pytest.raises(UserError, match="are not a PEM certificate and unencrypted key"):
         make_certs(tmp_path / "b", ["edge2"])
+    from collm.lab.certs import _wait_for_control_api
+
+    (tmp_path / "junk.pem").write_text("not a certificate")
+    with pytest.raises(UserError, match="not a PEM CA certificate"):  # ssl.SSLError, before any connection
+        _wait_for_control_api("127.0.0.1:9", tmp_path / "junk.pem", 1.0)
